@@ -1,0 +1,29 @@
+"""MuonEq: balancing before orthogonalization with lightweight equilibration.
+
+Public API::
+
+    from muoneq import MuonEq, param_groups, build_optimizer
+    opt = MuonEq(param_groups(model, lr=2e-3), mode="R")
+"""
+
+from muoneq.equilibration import MODES, canonical_mode, diag_pre
+from muoneq.newton_schulz import newton_schulz
+from muoneq.optim import HybridOrthogonalOptimizer, MuonEq
+from muoneq.registry import OPTIMIZERS, build_optimizer, register_optimizer
+from muoneq.routing import describe_groups, param_groups
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "OPTIMIZERS",
+    "HybridOrthogonalOptimizer",
+    "MuonEq",
+    "build_optimizer",
+    "canonical_mode",
+    "describe_groups",
+    "diag_pre",
+    "newton_schulz",
+    "param_groups",
+    "register_optimizer",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from muoneq.cli import main
+
+sys.exit(main())

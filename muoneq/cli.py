@@ -1,0 +1,35 @@
+"""The ``muoneq`` command (also ``python -m muoneq``): one sub-command per job.
+
+Sub-commands are imported lazily so that ``muoneq --help`` stays fast and a missing optional
+dependency of one job never breaks another. Each entry names a ``main(argv) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: muoneq <command> [args...]\n\ncommands:")
+        for name, (_, text) in sorted(COMMANDS.items()):
+            print(f"  {name:<10} {text}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(
+            f"muoneq: unknown command {name!r}; known: {', '.join(sorted(COMMANDS))}",
+            file=sys.stderr,
+        )
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Finite-step Newton–Schulz orthogonalization, ``NS_K`` of the paper.
+
+The paper (Section 2, Theorem ``th_ns``) writes the iteration for a wide matrix
+``G`` (p ≤ q) as
+
+    X_0 = G / ‖G‖_F,      X_{k+1} = (a·I + b·X_k X_kᵀ + c·(X_k X_kᵀ)²) X_k,
+
+so every singular value follows ``s ← φ(s) = a·s + b·s³ + c·s⁵`` while the singular
+vectors stay fixed; after enough steps ``X_K`` approaches the polar factor
+``Orth(G) = U Vᵀ``. Tall matrices are transposed to wide so that the Gram matrix
+``A = X Xᵀ`` is the smaller one.
+
+Coefficient schedules (``ns_coefficients``):
+
+* ``"quintic"`` – (3.4445, −4.7750, 2.0315) every step (Keller Jordan's Muon, the
+  paper's NS5); fast, converges to singular values in roughly [0.7, 1.2] rather than 1.
+* ``"taylor"`` – (15/8, −5/4, 3/8), the polynomial of the paper's NS5 lemma; the
+  classical monotone iteration (φ(s) ≥ s on [0, 1], fixed point 1).
+* ``"polar_express"`` – the published per-step tuples of Polar Express
+  (Amsel et al., 2025, as used in modded-nanogpt) with the input scaled by
+  ``1.02·‖G‖_F``; when more steps than published tuples are asked for, the last
+  tuple repeats (it is the tuple tuned for the converged regime).
+* an explicit ``(a, b, c)`` used at every step, or a sequence of per-step tuples
+  (its length must equal ``ns_steps``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+TAYLOR = (15 / 8, -5 / 4, 3 / 8)
+POLAR_EXPRESS = (
+    (8.15655, -22.48329, 15.87877),
+    (4.04293, -2.80892, 0.50002),
+    (3.89167, -2.77248, 0.50606),
+    (3.28575, -2.36813, 0.46449),
+    (2.34654, -1.70978, 0.42324),
+)
+NAMED_COEFFICIENTS = ("quintic", "taylor", "polar_express")
+
+#: Lower clamp of the Frobenius norm before dividing (as torch.optim.Muon does), so that a zero
+#: matrix maps to zero instead of NaN.
+NORM_EPS = 1e-7
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class NSSchedule:
+    """Resolved per-step coefficients plus the safety factor applied to ``‖G‖_F``."""
+
+    coefficients: tuple[tuple[float, float, float], ...]
+    norm_scale: float = 1.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.coefficients)
+
+
+def _as_triple(x, what: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(v) for v in x)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"ns_coefficients: {what} must be three numbers (a, b, c), got {x!r}"
+        ) from None
+    return (a, b, c)
+
+
+def normalize_coefficients(spec, ns_steps: int):
+    """Validate an ``ns_coefficients`` value against ``ns_steps``; return a hashable form.
+
+    Returns a lower-case name, a single ``(a, b, c)`` tuple, or a tuple of per-step tuples.
+    """
+    if isinstance(spec, str):
+        name = spec.lower()
+        if name not in NAMED_COEFFICIENTS:
+            raise ValueError(
+                f"ns_coefficients: unknown name {spec!r}; allowed: {', '.join(NAMED_COEFFICIENTS)}, "
+                "an explicit (a, b, c) or a list of ns_steps such tuples"
+            )
+        return name
+    if not isinstance(spec, Sequence) or len(spec) == 0:
+        raise ValueError(
+            f"ns_coefficients: expected a name ({', '.join(NAMED_COEFFICIENTS)}), an (a, b, c) "
+            f"tuple or a list of per-step tuples, got {spec!r}"
+        )
+    if all(isinstance(v, (int, float)) for v in spec):
+        return _as_triple(spec, "an explicit tuple")
+    per_step = tuple(_as_triple(t, f"step {i}") for i, t in enumerate(spec))
+    if len(per_step) != ns_steps:
+        raise ValueError(
+            f"ns_coefficients: a per-step list must have exactly ns_steps={ns_steps} tuples, "
+            f"got {len(per_step)}"
+        )
+    return per_step
+
+
+@lru_cache(maxsize=64)
+def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
+    """Turn a normalized ``ns_coefficients`` value into the per-step coefficient list."""
+    spec = normalize_coefficients(spec, ns_steps)
+    if spec == "quintic":
+        return NSSchedule((QUINTIC,) * ns_steps)
+    if spec == "taylor":
+        return NSSchedule((TAYLOR,) * ns_steps)
+    if spec == "polar_express":
+        steps = POLAR_EXPRESS[:ns_steps] + (POLAR_EXPRESS[-1],) * max(0, ns_steps - len(POLAR_EXPRESS))
+        return NSSchedule(steps, norm_scale=1.02)
+    if isinstance(spec[0], float):
+        return NSSchedule((spec,) * ns_steps)
+    return NSSchedule(spec)
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {', '.join(DTYPES)}")
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Return ``NS_K(G)`` for a matrix or a batch of matrices ``(..., m, n)``.
+
+    The result has ``G``'s shape and is computed in ``dtype`` (returned in that dtype:
+    callers cast when applying the update). ``steps=0`` returns the normalized input.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}")
+    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
+    X = G.to(dtype)
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X / (norm * schedule.norm_scale).clamp(min=NORM_EPS)
+    batched = X.ndim > 2
+    for a, b, c in schedule.coefficients:
+        A = X @ X.mT
+        if batched:
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if X.ndim == 3 else b * A + c * (A @ A)
+            X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
+        else:
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
+    if transposed:
+        X = X.mT
+    return X

@@ -1,0 +1,72 @@
+"""Build any optimizer of the paper by name: ``build_optimizer("muoneq_nes", model, lr=2e-3)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.muoneq import MuonEq
+from muoneq.routing import param_groups
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How a name is built: the class, the preset hyper-parameters, and what it is."""
+
+    factory: Callable[..., torch.optim.Optimizer]
+    preset: dict = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def hybrid(self) -> bool:
+        return isinstance(self.factory, type) and issubclass(self.factory, HybridOrthogonalOptimizer)
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "sgd": OptimizerSpec(torch.optim.SGD, {}, "torch.optim.SGD (heavy-ball momentum as configured)"),
+    "adamw": OptimizerSpec(torch.optim.AdamW, {}, "torch.optim.AdamW"),
+    "muon": OptimizerSpec(
+        MuonEq, {"mode": "none", "nesterov": False}, "Muon: NS5 of the EMA momentum"
+    ),
+    "muon_nes": OptimizerSpec(
+        MuonEq, {"mode": "none", "nesterov": True}, "Muon with the Nesterov input"
+    ),
+    "muoneq": OptimizerSpec(
+        MuonEq, {"mode": "R", "nesterov": False}, "MuonEq (R): row equilibration, then NS5"
+    ),
+    "muoneq_nes": OptimizerSpec(
+        MuonEq, {"mode": "R", "nesterov": True}, "MuonEq-Nes (R by default; mode= RC / C)"
+    ),
+}
+
+
+def register_optimizer(name: str, spec: OptimizerSpec) -> None:
+    """Add an optimizer to :func:`build_optimizer` (for extensions of the suite)."""
+    if name in OPTIMIZERS:
+        raise ValueError(f"optimizer name {name!r} is already registered")
+    OPTIMIZERS[name] = spec
+
+
+def build_optimizer(
+    name: str, model_or_groups: nn.Module | Iterable, **hparams
+) -> torch.optim.Optimizer:
+    """Build the optimizer called ``name`` over a model or explicit params/param groups.
+
+    With an ``nn.Module``, orthogonalized (hybrid) optimizers route its parameters with
+    :func:`muoneq.param_groups` (hidden matrices to the matrix path, embeddings, head,
+    first conv and 1-D tensors to AdamW); element-wise optimizers take all parameters.
+    ``hparams`` override the preset of the name (e.g. ``mode="RC"`` for ``muoneq_nes``).
+    """
+    key = name.lower()
+    if key not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown name {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    spec = OPTIMIZERS[key]
+    if isinstance(model_or_groups, nn.Module):
+        params = param_groups(model_or_groups) if spec.hybrid else model_or_groups.parameters()
+    else:
+        params = model_or_groups
+    return spec.factory(params, **{**spec.preset, **hparams})

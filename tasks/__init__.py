@@ -1,0 +1,1 @@
+"""The suite's workloads (installed as ``muoneq.tasks``)."""
