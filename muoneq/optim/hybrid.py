@@ -28,20 +28,23 @@ from torch import Tensor
 from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 
-LR_ADJUST = ("rms", "spectral", "none")
+LR_ADJUST = ("rms", "spectral", "spectral_unclamped", "none")
 
 
 def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
     """The factor ``a`` multiplying the learning rate of an m×n matrix update.
 
     ``"rms"``: ``0.2·√max(m, n)`` (Moonlight's, the paper's ``a``: the update's RMS matches
-    AdamW's); ``"spectral"``: ``√max(1, m/n)`` (Keller Jordan's); ``"none"``: 1.
+    AdamW's); ``"spectral"``: ``√max(1, m/n)`` (Keller Jordan's); ``"spectral_unclamped"``:
+    ``√(m/n)`` = √(fan_out/fan_in) (Bernstein's, Muon+'s); ``"none"``: 1.
     """
     m, n = shape
     if lr_adjust == "rms":
         return 0.2 * math.sqrt(max(m, n))
     if lr_adjust == "spectral":
         return math.sqrt(max(1.0, m / n))
+    if lr_adjust == "spectral_unclamped":
+        return math.sqrt(m / n)
     if lr_adjust == "none":
         return 1.0
     raise ValueError(f"lr_adjust: unknown value {lr_adjust!r}; allowed: {', '.join(LR_ADJUST)}")
