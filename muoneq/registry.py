@@ -23,11 +23,12 @@ class OptimizerSpec:
 
     @property
     def hybrid(self) -> bool:
-        return isinstance(self.factory, type) and issubclass(self.factory, HybridOrthogonalOptimizer)
+        factory = self.factory
+        return isinstance(factory, type) and issubclass(factory, HybridOrthogonalOptimizer)
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "sgd": OptimizerSpec(torch.optim.SGD, {}, "torch.optim.SGD (heavy-ball momentum as configured)"),
+    "sgd": OptimizerSpec(torch.optim.SGD, {}, "torch.optim.SGD"),
     "adamw": OptimizerSpec(torch.optim.AdamW, {}, "torch.optim.AdamW"),
     "muon": OptimizerSpec(
         MuonEq, {"mode": "none", "nesterov": False}, "Muon: NS5 of the EMA momentum"
@@ -63,7 +64,8 @@ def build_optimizer(
     """
     key = name.lower()
     if key not in OPTIMIZERS:
-        raise ValueError(f"optimizer: unknown name {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+        known = ", ".join(sorted(OPTIMIZERS))
+        raise ValueError(f"optimizer: unknown name {name!r}; known: {known}")
     spec = OPTIMIZERS[key]
     if isinstance(model_or_groups, nn.Module):
         params = param_groups(model_or_groups) if spec.hybrid else model_or_groups.parameters()

@@ -1,0 +1,115 @@
+"""Newton–Schulz iteration: the paper's NS_K against an SVD polar factor and a float64 loop."""
+
+import numpy as np
+import pytest
+import torch
+from reference import ns_ref, polar_ref
+
+from muoneq import diag_pre, newton_schulz
+from muoneq.newton_schulz import POLAR_EXPRESS, QUINTIC, TAYLOR
+
+
+def spectrum_matrix(m, n, singular_values, seed=0):
+    rng = np.random.default_rng(seed)
+    U, _ = np.linalg.qr(rng.standard_normal((m, m)))
+    V, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    S = np.zeros((m, n))
+    k = len(singular_values)
+    S[:k, :k] = np.diag(singular_values)
+    return U @ S @ V.T
+
+
+@pytest.mark.parametrize("shape", [(20, 12), (12, 20), (16, 16)])
+@pytest.mark.parametrize("coefficients", ["quintic", "taylor", "polar_express"])
+def test_matches_float64_transcription(shape, coefficients):
+    G = np.random.default_rng(1).standard_normal(shape)
+    table = {"quintic": ([QUINTIC] * 5, 1.0), "taylor": ([TAYLOR] * 5, 1.0),
+             "polar_express": (POLAR_EXPRESS, 1.02)}[coefficients]
+    ours = newton_schulz(torch.from_numpy(G), 5, coefficients, torch.float64).numpy()
+    np.testing.assert_allclose(ours, ns_ref(G, *table), rtol=1e-12, atol=1e-12)
+
+
+def test_taylor_converges_monotonically_to_the_polar_factor():
+    sv = np.linspace(1.0, 0.5, 12)  # well conditioned: κ = 2
+    G = spectrum_matrix(12, 30, sv)
+    polar = polar_ref(G)
+    previous_sv = None
+    errors = []
+    for k in range(0, 31):
+        X = newton_schulz(torch.from_numpy(G), k, "taylor", torch.float64).numpy()
+        s = np.linalg.svd(X, compute_uv=False)
+        assert s.max() <= 1 + 1e-12  # never overshoots
+        if previous_sv is not None:
+            assert (s >= previous_sv - 1e-12).all()  # every singular value grows
+        previous_sv = s
+        errors.append(np.linalg.norm(X - polar) / np.linalg.norm(polar))
+    assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:], strict=False))
+    assert errors[-1] < 1e-10
+
+
+def test_quintic_lands_in_its_published_band():
+    """Keller Jordan's coefficients trade exactness for speed: σ ends near [0.7, 1.2]."""
+    sv = np.geomspace(1.0, 1e-2, 16)
+    G = spectrum_matrix(16, 48, sv)
+    X = newton_schulz(torch.from_numpy(G), 5, "quintic", torch.float64).numpy()
+    s = np.linalg.svd(X, compute_uv=False)
+    assert s.min() > 0.6 and s.max() < 1.25
+    # singular vectors are those of G (Theorem th_ns): X = U diag(s) Vᵀ
+    U, _, Vt = np.linalg.svd(G, full_matrices=False)
+    inner = U.T @ X @ Vt.T
+    np.testing.assert_allclose(inner, np.diag(np.diag(inner)), atol=1e-9)
+
+
+def test_polar_express_is_closer_than_quintic_after_five_steps():
+    sv = np.geomspace(1.0, 1e-2, 16)
+    G = torch.from_numpy(spectrum_matrix(16, 48, sv))
+    polar = polar_ref(G.numpy())
+
+    def err(name):
+        X = newton_schulz(G, 5, name, torch.float64).numpy()
+        return np.linalg.norm(X - polar) / np.linalg.norm(polar)
+
+    assert err("polar_express") < err("quintic")
+
+
+def test_more_steps_than_published_tuples_repeat_the_last_one():
+    G = torch.randn(8, 12, dtype=torch.float64)
+    seven = newton_schulz(G, 7, "polar_express", torch.float64).numpy()
+    expected = ns_ref(G.numpy(), list(POLAR_EXPRESS) + [POLAR_EXPRESS[-1]] * 2, 1.02)
+    np.testing.assert_allclose(seven, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_input_equals_per_matrix():
+    G = torch.randn(3, 10, 6, dtype=torch.float64)
+    batched = newton_schulz(G, 5, "quintic", torch.float64)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], newton_schulz(G[i], 5, "quintic", torch.float64))
+
+
+def test_zero_steps_is_the_normalized_input_and_zero_maps_to_zero():
+    G = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(newton_schulz(G, 0, "quintic", torch.float64), G / G.norm())
+    zero = newton_schulz(torch.zeros(4, 6), 5)
+    assert torch.equal(zero, torch.zeros(4, 6, dtype=torch.bfloat16))
+
+
+def test_bfloat16_is_close_to_float64():
+    G = torch.randn(64, 128)
+    lo = newton_schulz(G, 5, "quintic", torch.bfloat16).double()
+    hi = newton_schulz(G.double(), 5, "quintic", torch.float64)
+    assert ((lo - hi).norm() / hi.norm()).item() < 0.05
+
+
+def test_equilibration_reduces_ns_error_on_scale_imbalanced_input():
+    """The paper's Figure fig1 mechanism on one matrix: RC shrinks κ of the NS input."""
+    rng = np.random.default_rng(0)
+    G = np.exp(rng.uniform(-3, 3, (32, 1))) * rng.standard_normal((32, 64)) * np.exp(
+        rng.uniform(-3, 3, (1, 64)))
+    M = torch.from_numpy(G)
+
+    def finite_step_error(mode):
+        S = diag_pre(M, mode, 0.0)
+        X = newton_schulz(S, 5, "quintic", torch.float64).numpy()
+        return np.linalg.norm(X - polar_ref(S.numpy())) / np.sqrt(32)
+
+    assert finite_step_error("RC") < finite_step_error("none")
