@@ -8,7 +8,15 @@ Public API::
 
 from muoneq.equilibration import MODES, canonical_mode, diag_pre
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim import HybridOrthogonalOptimizer, MuonEq
+from muoneq.optim import (
+    AdaMuon,
+    HybridOrthogonalOptimizer,
+    MarsAdamW,
+    Mousse,
+    MuonEq,
+    MuonPlus,
+    NorMuon,
+)
 from muoneq.registry import OPTIMIZERS, build_optimizer, register_optimizer
 from muoneq.routing import describe_groups, param_groups
 
@@ -17,8 +25,13 @@ __version__ = "0.1.0"
 __all__ = [
     "MODES",
     "OPTIMIZERS",
+    "AdaMuon",
     "HybridOrthogonalOptimizer",
+    "MarsAdamW",
+    "Mousse",
     "MuonEq",
+    "MuonPlus",
+    "NorMuon",
     "build_optimizer",
     "canonical_mode",
     "describe_groups",

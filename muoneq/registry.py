@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from muoneq.optim.adamuon import AdaMuon
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.mars_adamw import MarsAdamW
+from muoneq.optim.mousse import Mousse
+from muoneq.optim.muon_plus import MuonPlus
 from muoneq.optim.muoneq import MuonEq
+from muoneq.optim.normuon import NorMuon
 from muoneq.routing import param_groups
 
 
@@ -41,6 +46,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     ),
     "muoneq_nes": OptimizerSpec(
         MuonEq, {"mode": "R", "nesterov": True}, "MuonEq-Nes (R by default; mode= RC / C)"
+    ),
+    "mars_adamw": OptimizerSpec(
+        MarsAdamW, {"gamma": 0.025}, "MARS-AdamW: AdamW on the variance-reduced gradient"
+    ),
+    "adamuon": OptimizerSpec(
+        AdaMuon, {}, "AdaMuon: NS of sign(momentum), element-wise second moment, RMS 0.2"
+    ),
+    "muon_plus": OptimizerSpec(
+        MuonPlus, {"norm_mode": "col_row"}, "Muon+: NS5, then column and row normalization"
+    ),
+    "normuon": OptimizerSpec(
+        NorMuon, {}, "NorMuon: NS5, then per-row second-moment normalization"
+    ),
+    "mousse": OptimizerSpec(
+        Mousse, {}, "Mousse: NS5 in Kronecker-whitened coordinates (eigenbases every 10 steps)"
     ),
 }
 

@@ -1,0 +1,98 @@
+"""AdaMuon (Si et al., 2025): element-wise second moment on the orthogonalized update."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from muoneq.newton_schulz import newton_schulz
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+
+
+class AdaMuon(HybridOrthogonalOptimizer):
+    r"""AdaMuon: "Adaptive Muon Optimizer" (Si, Zhang, Shen, 2025, arXiv:2507.11005;
+    official code Chongjie-Si/AdaMuon).
+
+    For a matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient ``G``,
+    at step ``t``::
+
+        M ← βM + (1−β)G;          M̃ = βM + (1−β)G (nesterov) or M
+        O = NS_K(sign(M̃))                         (sign-stabilized; NS_K(M̃) if not sign_momentum)
+        V ← β₂V + (1−β₂)·O⊙O                      (element-wise, m×n)
+        Ô = O / (√(V/(1−β₂ᵗ)) + ε)
+        D = √min(m, n)·Ô / (‖Ô‖_F + ε)
+        X ← (1 − η·λ)X − a·η·D
+
+    With the default ``lr_adjust="rms"`` (``a = 0.2·√max(m, n)``) the step is the paper's
+    RMS-aligned ``0.2·√(mn)·Ô/‖Ô‖_F``: every matrix update has RMS 0.2, so AdamW learning
+    rates carry over. The sign transform is the paper's (v2 onward); the official code,
+    which we follow for the rest (bias-corrected ``V``, ``β₂ = 0.999``, ``ε = 1e-8``, the
+    ``√min(m, n)/(‖Ô‖_F + ε)`` rescaling), predates it: ``sign_momentum=False`` reproduces it.
+    The bias correction only matters through ``ε`` (the rescaling cancels it otherwise).
+    For conv filters ``min(m, n)`` is taken over the matrix view (the official code takes it
+    over the 4-D shape).
+
+    Persistent state per matrix: the momentum buffer, ``exp_avg_sq`` (``V``, in the matrix
+    view and the parameter's dtype; the arithmetic runs in at least float32) and ``step``.
+    ``use_muon=False`` groups take AdamW.
+
+    Args:
+        beta2: decay ``β₂`` ∈ [0, 1) of the element-wise second moment.
+        eps: ``ε`` ≥ 0 of both divisions.
+        sign_momentum: orthogonalize ``sign(M̃)`` (the paper) rather than ``M̃``.
+        Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
+    """
+
+    _extra_defaults = {"beta2": 0.999, "eps": 1e-8, "sign_momentum": True}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        sign_momentum: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_dtype=torch.bfloat16,
+        weight_decay: float = 0.1,
+        lr_adjust: str = "rms",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ):
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            beta2=beta2, eps=eps, sign_momentum=sign_momentum,
+        )
+
+    def _validate_extra(self, group: dict) -> None:
+        _number(group, "beta2", high=1.0, high_open=True)
+        _number(group, "eps")
+        if not isinstance(group["sign_momentum"], bool):
+            raise ValueError(
+                f"sign_momentum: expected True or False, got {group['sign_momentum']!r}"
+            )
+
+    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
+        super()._init_matrix_state(p, state, group)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg_sq"] = p.new_zeros(matrix_shape(p))
+
+    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
+        v = state["exp_avg_sq"]
+        beta2, eps = group["beta2"], group["eps"]
+        source = m_tilde.sign() if group["sign_momentum"] else m_tilde
+        O = newton_schulz(source, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        O = O.to(torch.promote_types(p.dtype, torch.float32))
+        state["step"] += 1
+        v.lerp_(O.square().to(v.dtype), 1 - beta2)
+        bias_correction2 = 1 - beta2 ** state["step"].item()
+        adapted = O / ((v.to(O.dtype) / bias_correction2).sqrt() + eps)
+        return adapted.mul_(math.sqrt(min(v.shape)) / (adapted.norm() + eps))

@@ -1,0 +1,129 @@
+"""MARS-AdamW (Yuan et al., 2024): AdamW on a variance-reduced gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from muoneq.optim.adamw import adamw_update, init_adamw_state
+from muoneq.optim.hybrid import _number
+
+
+class MarsAdamW(torch.optim.Optimizer):
+    r"""MARS-AdamW: "MARS: Unleashing the Power of Variance Reduction for Training Large
+    Models" (Yuan, Liu, Wu, Zhou, Gu, 2024, arXiv:2411.10438; official code AGI-Arena/MARS),
+    the ``mars_type="mars-adamw"``, ``is_approx=True`` variant.
+
+    For a parameter ``X`` with gradient ``g_t`` (previous gradient ``g_{t−1}``; ``g_0 = 0``)::
+
+        c_t = g_t + γ·β₁/(1−β₁)·(g_t − g_{t−1})
+        c_t ← c_t / ‖c_t‖₂   if ‖c_t‖₂ > 1                    (per tensor)
+        m ← β₁m + (1−β₁)c_t,     v ← β₂v + (1−β₂)c_t²
+        X ← (1 − η·λ)X − η·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)
+
+    i.e. AdamW (decoupled weight decay, bias correction, step for step equal to
+    ``torch.optim.AdamW`` when ``γ = 0`` and no gradient norm exceeds 1) applied to ``c_t``.
+
+    Choices, following the official implementation:
+
+    * First step: ``g_0 = 0``, so ``c_1 = (1 + γβ₁/(1−β₁))·g_1`` (then clipped).
+    * 1-D (and 0-D) tensors take plain AdamW on ``g_t`` unless ``optimize_1d=True`` (the
+      official default ``optimize_1d=False``). Unlike the official code they use the group's
+      ``lr``, ``betas``, ``eps`` and ``weight_decay`` (the paper's setting: one set of
+      hyper-parameters; put them in their own param group to change them), and unlike the
+      copy in the MuonEq repository their weight decay is kept.
+    * Tensors with ≥ 2 dimensions take the MARS correction. (The official code tests for
+      exactly 2 dimensions, which sends conv filters to plain AdamW; we treat them as the
+      matrices they are.)
+
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (as ``torch.optim.AdamW``) and
+    ``last_grad`` (``g_{t−1}``), created up front.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate ``η``.
+        betas: ``(β₁, β₂)``, each in [0, 1); the paper's MARS-AdamW runs use (0.9, 0.95).
+        eps: ``ε`` ≥ 0.
+        weight_decay: decoupled weight decay ``λ`` ≥ 0 (every tensor, 1-D included).
+        gamma: variance-reduction coefficient ``γ`` ≥ 0 (0.025 in the paper; 0 gives AdamW up
+            to the clipping).
+        optimize_1d: apply the MARS correction to 0-D/1-D tensors too.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        gamma: float = 0.025,
+        optimize_1d: bool = False,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
+                        optimize_1d=optimize_1d)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            state = self.state[p]
+            init_adamw_state(p, state)
+            state["last_grad"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @staticmethod
+    def _validate(group: dict) -> None:
+        for key in ("lr", "eps", "weight_decay", "gamma"):
+            _number(group, key)
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+        group["betas"] = tuple(betas)
+        for i, b in enumerate(betas):
+            _number({f"betas[{i}]": b}, f"betas[{i}]", high=1.0, high_open=True)
+        if not isinstance(group["optimize_1d"], bool):
+            raise ValueError(f"optimize_1d: expected True or False, got {group['optimize_1d']!r}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Perform one optimization step; ``closure`` is evaluated with gradients enabled."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("MarsAdamW does not support sparse gradients")
+            beta1, beta2 = group["betas"]
+            scale = group["gamma"] * beta1 / (1 - beta1)
+            inputs = []
+            for p in params:
+                grad, state = p.grad, self.state[p]
+                if p.ndim >= 2 or group["optimize_1d"]:
+                    corrected = grad + scale * (grad - state["last_grad"])
+                    corrected.div_(corrected.norm().clamp(min=1.0))  # c / max(‖c‖₂, 1)
+                    state["last_grad"].copy_(grad)
+                    inputs.append(corrected)
+                else:
+                    inputs.append(grad)
+            states = [self.state[p] for p in params]
+            adamw_update(
+                params, inputs,
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+        return loss
+

@@ -1,0 +1,150 @@
+"""Mousse (Zhang et al., 2026): Muon in coordinates whitened by Kronecker curvature factors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from muoneq.newton_schulz import newton_schulz
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+
+
+def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Eigenpairs of the trace-normalized factor, eigenvalues shifted to be ≥ ``eps``.
+
+    ``F̂ = F·d/tr(F)`` (``d`` = size; a zero factor stays zero), ``(λ, Q) = eigh(F̂ + εI)``,
+    then ``λ ← λ + max(0, −min λ) + ε`` (the official ``clean_eigenvalues``).
+    """
+    size = factor.shape[0]
+    trace = factor.diagonal().sum()
+    normalized = factor * torch.where(trace > 0, size / trace, 0.0)  # no host sync
+    eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
+    evals, evecs = torch.linalg.eigh(normalized + eps * eye)
+    return evals + (-evals.min()).clamp(min=0) + eps, evecs
+
+
+#: State kept in at least float32 whatever the parameter's dtype.
+_CURVATURE_KEYS = frozenset({"L", "R", "Q_L", "Q_R", "lambda_L", "lambda_R"})
+
+
+class Mousse(HybridOrthogonalOptimizer):
+    r"""Mousse: "Rectifying the Geometry of Muon with Curvature-Aware Preconditioning"
+    (Zhang et al., 2026, arXiv:2603.09697; official code Anti-Entrophic/Mousse).
+
+    For a matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient ``G``,
+    at step ``t``::
+
+        M ← βM + (1−β)G;          M̃ = βM + (1−β)G (nesterov) or M
+        L ← β_p L + (1−β_p) G Gᵀ,   R ← β_p R + (1−β_p) GᵀG                 (m×m, n×n)
+        every T steps (t = 1, T+1, 2T+1, …), for F ∈ {L, R}:
+            F̂ = F/(1−β_pᵗ), trace-normalized to F̂·d/tr(F̂);  (Λ_F, Q_F) = eigh(F̂ + εI),
+            Λ_F ← Λ_F + max(0, −min Λ_F) + ε
+        W = Λ_L^{−α} Q_Lᵀ M̃ Q_R Λ_R^{−α}                                      (whiten)
+        O = NS_K(W)
+        U = Q_L Λ_L^{−α} O Λ_R^{−α} Q_Rᵀ                                      (map back)
+        X ← (1 − η·λ)X − a·η·U·‖O‖_F/‖U‖_F                                    (graft)
+
+    (``T = precond_every``, ``β_p = precond_beta``, ``ε = precond_eps``, ``α = alpha``.)
+    The bias correction ``1/(1−β_pᵗ)`` cancels in the trace normalization, so it is not
+    computed. Defaults follow the official implementation and its released configuration:
+    α = 0.125, T = 10, β_p = 0.95, ε = 1e-5, ``nesterov=False``, ``lr_adjust=
+    "spectral_unclamped"`` (their ``adjust_lr="spectral_norm"``, ``a = √(m/n)``). Their
+    momentum ``M ← βM + G`` differs from the EMA by a constant factor, which whitening, NS
+    and grafting all ignore. ``NS_K`` is the group's schedule (``ns_coefficients``); the
+    official code runs Dion's five tuned tuples, which can be passed as an explicit list.
+    Factors and eigenbases are kept in float32 (float64 for float64 parameters).
+
+    Persistent state per matrix (heavy: m² + n² floats twice): the momentum buffer,
+    ``L``, ``R``, their eigenbases ``Q_L``, ``Q_R``, eigenvalues ``lambda_L``, ``lambda_R``,
+    and ``step``. ``use_muon=False`` groups take AdamW.
+
+    Args:
+        alpha: whitening exponent ``α`` ≥ 0 (0 gives Muon).
+        precond_beta: EMA decay ``β_p`` ∈ [0, 1) of the Kronecker factors.
+        precond_eps: damping ``ε`` ≥ 0 of the eigendecomposition.
+        precond_every: refresh period ``T`` ≥ 1 of the eigendecomposition.
+        Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
+    """
+
+    _extra_defaults = {"alpha": 0.125, "precond_beta": 0.95, "precond_eps": 1e-5,
+                       "precond_every": 10}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        alpha: float = 0.125,
+        precond_beta: float = 0.95,
+        precond_eps: float = 1e-5,
+        precond_every: int = 10,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_dtype=torch.bfloat16,
+        weight_decay: float = 0.1,
+        lr_adjust: str = "spectral_unclamped",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ):
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            alpha=alpha, precond_beta=precond_beta, precond_eps=precond_eps,
+            precond_every=precond_every,
+        )
+
+    def _validate_extra(self, group: dict) -> None:
+        _number(group, "alpha")
+        _number(group, "precond_beta", high=1.0, high_open=True)
+        _number(group, "precond_eps")
+        every = group["precond_every"]
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"precond_every: expected an integer ≥ 1, got {every!r}")
+
+    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
+        super()._init_matrix_state(p, state, group)
+        m, n = matrix_shape(p)
+        like = {"dtype": torch.promote_types(p.dtype, torch.float32), "device": p.device}
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for side, size in (("L", m), ("R", n)):
+            state[side] = torch.zeros(size, size, **like)
+            state[f"Q_{side}"] = torch.eye(size, **like)
+            state[f"lambda_{side}"] = torch.ones(size, **like)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but the curvature state keeps its own
+        (≥ float32) dtype: the base class would cast it to the dtype of a bf16 parameter."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = {i: dict(state_dict["state"].get(i, {})) for i in saved_ids}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            for key in _CURVATURE_KEYS.intersection(saved[saved_id]):
+                self.state[p][key] = saved[saved_id][key].to(device=p.device, dtype=dtype)
+
+    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
+        L, R = state["L"], state["R"]
+        G = p.grad.reshape(L.shape[0], R.shape[0]).to(L.dtype)
+        beta = group["precond_beta"]
+        L.mul_(beta).addmm_(G, G.T, alpha=1 - beta)
+        R.mul_(beta).addmm_(G.T, G, alpha=1 - beta)
+        state["step"] += 1
+        if (int(state["step"].item()) - 1) % group["precond_every"] == 0:
+            for side in ("L", "R"):
+                state[f"lambda_{side}"], state[f"Q_{side}"] = _eigenbasis(
+                    state[side], group["precond_eps"]
+                )
+        Q_L, Q_R = state["Q_L"], state["Q_R"]
+        scale_L = state["lambda_L"].pow(-group["alpha"]).unsqueeze(1)
+        scale_R = state["lambda_R"].pow(-group["alpha"]).unsqueeze(0)
+        whitened = scale_L * (Q_L.T @ m_tilde.to(L.dtype) @ Q_R) * scale_R
+        O = newton_schulz(
+            whitened, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"]
+        ).to(L.dtype)
+        U = Q_L @ (scale_L * O * scale_R) @ Q_R.T
+        return U.mul_(O.norm() / U.norm().clamp(min=torch.finfo(U.dtype).tiny))

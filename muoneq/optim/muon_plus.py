@@ -1,0 +1,98 @@
+"""Muon+ (Zhang et al., 2026): one column/row normalization step after orthogonalization."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from muoneq.newton_schulz import newton_schulz
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number
+
+#: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
+NORM_MODES = ("none", "col", "row", "col_row", "row_col")
+
+
+def _unit_along(U: Tensor, dim: int, eps: float) -> Tensor:
+    """``U / √(Σ_dim U² + ε)``; a zero column/row stays zero (never 0/0) when ``ε = 0``."""
+    norm = (U.square().sum(dim=dim, keepdim=True) + eps).sqrt()
+    return U / norm.clamp(min=torch.finfo(U.dtype).tiny)
+
+
+def _unit_columns(U: Tensor, eps: float) -> Tensor:
+    return _unit_along(U, 0, eps)
+
+
+def _unit_rows(U: Tensor, eps: float) -> Tensor:
+    return _unit_along(U, 1, eps)
+
+
+_STEPS = {"col": (_unit_columns,), "row": (_unit_rows,),
+          "col_row": (_unit_columns, _unit_rows), "row_col": (_unit_rows, _unit_columns),
+          "none": ()}
+
+
+class MuonPlus(HybridOrthogonalOptimizer):
+    r"""Muon+: "Towards Better Muon via One Additional Normalization Step" (Zhang, Zhao, Liu,
+    Wang, Zhang, 2026, arXiv:2602.21545; official code K1seki221/MuonPlus).
+
+    For a matrix parameter ``X`` (m×n, stored as ``(fan_out, fan_in)``; conv filters as
+    ``(out, in·kh·kw)``) with gradient ``G``::
+
+        M ← βM + (1−β)G;          M̃ = βM + (1−β)G (nesterov) or M
+        U = NS_K(M̃)
+        col:  U_{:,j} ← U_{:,j} / √(Σ_i U_ij² + ε)     row:  U_{i,:} ← U_{i,:} / √(Σ_j U_ij² + ε)
+        X ← (1 − η·λ)X − a·η·normalize(U, norm_mode)
+
+    ``norm_mode`` ∈ {"none", "col", "row", "col_row", "row_col"}; "col_row" (columns, then
+    rows) is the variant the MuonEq paper compares against and the default here. Muon+ keeps
+    no state beyond Muon's momentum. The default shape factor is ``lr_adjust=
+    "spectral_unclamped"``, ``a = √(fan_out/fan_in)``; ``ε = norm_eps`` (1e-8, the value of
+    the official configurations).
+
+    Args:
+        norm_mode: the post-orthogonalization normalization (see above).
+        norm_eps: ``ε`` ≥ 0 inside the square roots.
+        Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
+    """
+
+    _extra_defaults = {"norm_mode": "col_row", "norm_eps": 1e-8}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        norm_mode: str = "col_row",
+        norm_eps: float = 1e-8,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_dtype=torch.bfloat16,
+        weight_decay: float = 0.1,
+        lr_adjust: str = "spectral_unclamped",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ):
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            norm_mode=norm_mode, norm_eps=norm_eps,
+        )
+
+    def _validate_extra(self, group: dict) -> None:
+        mode = group["norm_mode"]
+        key = mode.lower().replace("-", "_") if isinstance(mode, str) else mode
+        if key not in NORM_MODES:
+            raise ValueError(f"norm_mode: unknown value {mode!r}; allowed: {', '.join(NORM_MODES)}")
+        group["norm_mode"] = key
+        _number(group, "norm_eps")
+
+    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
+        U = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        U = U.to(torch.promote_types(U.dtype, torch.float32))
+        for normalize in _STEPS[group["norm_mode"]]:
+            U = normalize(U, group["norm_eps"])
+        return U

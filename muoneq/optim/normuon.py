@@ -1,0 +1,86 @@
+"""NorMuon (Li et al., 2025): Muon followed by a per-row (neuron-wise) adaptive normalization."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from muoneq.newton_schulz import newton_schulz
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+
+
+class NorMuon(HybridOrthogonalOptimizer):
+    r"""NorMuon: "Making Muon more efficient and scalable" (Li, Liu, Liang, Chen, Zhao, 2025,
+    arXiv:2510.05491; official code zichongli5/NorMuon).
+
+    For a matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient ``G``::
+
+        M ← βM + (1−β)G;          M̃ = βM + (1−β)G (nesterov) or M
+        O = NS_K(M̃)
+        v ← β₂v + (1−β₂)·mean_cols(O⊙O)          (v ∈ ℝ^m: one value per row / neuron)
+        Ô = O / (√v + ε)                          (row i divided by √v_i + ε)
+        Ô ← Ô·‖O‖_F / (‖Ô‖_F + ε)                 (the update keeps Muon's Frobenius norm)
+        X ← (1 − η·λ)X − a·η·Ô
+
+    as in the official ``normuon_update``: no bias correction of ``v``, ``ε = 1e-10`` in both
+    divisions. ``a`` is the shape factor chosen by ``lr_adjust``: the default ``"rms"``
+    (0.2·√max(m, n)) gives an update of RMS ≈ 0.2, the paper's RMS-matched step
+    ``η̂ = 0.2·η·√(mn)/‖Ô‖_F`` up to ``‖O‖_F ≈ √min(m, n)``; the official script uses Keller
+    Jordan's factor instead (pass ``lr_adjust="spectral"``).
+    Unlike the official code, which takes the row mean of a conv filter over its last axis
+    only, the second moment of a conv filter is kept per output channel of the matrix view.
+
+    Persistent state per matrix: the momentum buffer and ``second_moment`` (m×1, in the
+    parameter's dtype as in the official code; the arithmetic runs in at least float32).
+    ``use_muon=False`` groups take AdamW (see
+    :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`).
+
+    Args:
+        beta2: decay ``β₂`` ∈ [0, 1) of the per-row second moment.
+        eps: ``ε`` ≥ 0 of the two divisions.
+        Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
+    """
+
+    _extra_defaults = {"beta2": 0.95, "eps": 1e-10}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        beta2: float = 0.95,
+        eps: float = 1e-10,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_dtype=torch.bfloat16,
+        weight_decay: float = 0.1,
+        lr_adjust: str = "rms",
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ):
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            beta2=beta2, eps=eps,
+        )
+
+    def _validate_extra(self, group: dict) -> None:
+        _number(group, "beta2", high=1.0, high_open=True)
+        _number(group, "eps")
+
+    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
+        super()._init_matrix_state(p, state, group)
+        state["second_moment"] = p.new_zeros(matrix_shape(p)[0], 1)
+
+    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
+        v = state["second_moment"]
+        eps = group["eps"]
+        O = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        O = O.to(torch.promote_types(p.dtype, torch.float32))
+        v.lerp_(O.square().mean(dim=1, keepdim=True).to(v.dtype), 1 - group["beta2"])
+        normalized = O / (v.to(O.dtype).sqrt() + eps)
+        return normalized.mul_(O.norm() / (normalized.norm() + eps))
