@@ -9,7 +9,10 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint demo
+.PHONY: help install test test-fast lint demo data-fineweb data-c4 train-llama-tiny figure-ns-geometry bench
+.PHONY: ablation-cifar10 ablation-gpt2 heatmap-gpt2 ksweep-gpt2 lrsweep-llama130m
+.PHONY: lrsweep-llama350m table-llama report
+.PHONY: train-cifar10
 
 help: ## list every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}'
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,postgres]'
 	touch $(STAMP)
 
 install: $(STAMP) ## create .venv and install the package with its dev extras
@@ -34,3 +37,69 @@ lint: $(STAMP) ## ruff
 
 demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on CPU
 	$(PY) -m muoneq.demo
+
+# Token shards (`muoneq data`): TOKENS= training-token budget, OUT= folder, ARGS= more flags
+# (e.g. ARGS="--workers 32 --hf-config sample-10BT"). Re-running resumes; see README "Data".
+data-fineweb: $(STAMP) ## tokenize FineWeb (sample-100BT, GPT-2 BPE) to shards: TOKENS=10.5B OUT=data/fineweb
+	$(PY) -m muoneq data --source fineweb --tokens $(or $(TOKENS),10.5B) --out $(or $(OUT),data/fineweb) $(ARGS)
+
+data-c4: $(STAMP) ## tokenize C4 en (GPT-2 BPE, C4's validation split) to shards: TOKENS=21B OUT=data/c4
+	$(PY) -m muoneq data --source c4 --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
+
+train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA
+	@test -n "$(TEXT)" || { echo "give TEXT=path/to/tinyshakespeare.txt (any plain-text file)"; exit 2; }
+	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M
+	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(ARGS)
+
+figure-ns-geometry: $(STAMP) ## Figure fig1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
+	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
+
+bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
+	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
+
+# Paper studies (`muoneq sweep`, then `muoneq report`): WORKERS= trials at once on this machine
+# (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each), STORAGE= a shared
+# study (postgresql://user@host:port/db) for workers on many machines, ARGS= more sweep flags
+# (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"). Re-running the same target
+# continues an interrupted study; nothing finished is run twice. Output: runs/<study>/report/.
+# GPU-hours assume ~40% MFU on H100-class GPUs (see README "Sweeps").
+WORKERS ?= 1
+sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --workers $(WORKERS) \
+	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) && \
+	$(PY) -m muoneq report sweeps/$(1).yaml $(if $(STORAGE),--storage $(STORAGE))
+
+ablation-cifar10: $(STAMP) ## Table ablation_left: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h)
+	$(call sweep_and_report,ablation-cifar10)
+
+ablation-gpt2: $(STAMP) ## Table ablation_right: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h)
+	$(call sweep_and_report,ablation-gpt2)
+
+heatmap-gpt2: $(STAMP) ## Figure heatmap: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h)
+	$(call sweep_and_report,heatmap-gpt2)
+
+ksweep-gpt2: $(STAMP) ## Figure muon_compact a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h)
+	$(call sweep_and_report,ksweep-gpt2)
+
+lrsweep-llama130m: $(STAMP) ## Figure lr_sweep a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h)
+	$(call sweep_and_report,lrsweep-llama130m)
+
+lrsweep-llama350m: $(STAMP) ## Figure lr_sweep b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h)
+	$(call sweep_and_report,lrsweep-llama350m)
+
+table-llama: $(STAMP) ## Table table-compare: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
+	$(call sweep_and_report,table-llama)
+
+report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in runs/
+	@if [ -n "$(STUDY)" ]; then \
+		$(PY) -m muoneq report $(STUDY) $(if $(STORAGE),--storage $(STORAGE)); \
+	else \
+		found=0; for d in runs/*/; do \
+			if [ -f "$$d/optuna.journal" ]; then found=1; $(PY) -m muoneq report "$$d" || exit 1; fi; \
+		done; \
+		[ $$found = 1 ] || { echo "no study under runs/: run a sweep target first, or pass STUDY=..."; exit 2; }; \
+	fi
+
+# One run of the paper's CIFAR-10 recipe (conf/experiment/cifar10_resnet18.yaml), e.g.
+#   make train-cifar10 OPT=muoneq_nes SEED=1 ARGS="optimizer.mode=RC trainer.devices=4"
+train-cifar10: $(STAMP) ## one ResNet-18/CIFAR-10 run, paper recipe: OPT=muoneq_nes SEED=0 ARGS="key=value ..."
+	$(PY) -m muoneq train experiment=cifar10_resnet18 optimizer=$(or $(OPT),muoneq_nes) seed=$(or $(SEED),0) $(ARGS)

@@ -10,7 +10,32 @@ import importlib
 import sys
 
 #: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "muoneq.benchmarks.bench_step",
+        "time one optimizer step vs torch.optim.Muon on GPT-2/LLaMA/ResNet matrix sets",
+    ),
+    "data": (
+        "muoneq.tasks.language.prepare",
+        "tokenize a corpus (FineWeb, C4, local files) into token shards",
+    ),
+    "spectra": (
+        "muoneq.diagnostics.cli",
+        "Newton–Schulz geometry study on synthetic matrices (paper Figure fig1)",
+    ),
+    "sweep": (
+        "muoneq.sweeps.cli",
+        "run or continue an Optuna study of trial processes (sweeps/*.yaml)",
+    ),
+    "report": (
+        "muoneq.report.cli",
+        "tables, heatmaps and plots of a study (runs/<study> or a sweep file)",
+    ),
+    "train": (
+        "muoneq.runtime.cli",
+        "train one run: muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes seed=1",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,9 @@ Coefficient schedules (``ns_coefficients``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -87,8 +89,9 @@ def normalize_coefficients(spec, ns_steps: int):
         name = spec.lower()
         if name not in NAMED_COEFFICIENTS:
             raise ValueError(
-                f"ns_coefficients: unknown name {spec!r}; allowed: {', '.join(NAMED_COEFFICIENTS)}, "
-                "an explicit (a, b, c) or a list of ns_steps such tuples"
+                f"ns_coefficients: unknown name {spec!r}; allowed: "
+                f"{', '.join(NAMED_COEFFICIENTS)}, an explicit (a, b, c) or a list of ns_steps "
+                "such tuples"
             )
         return name
     if not isinstance(spec, Sequence) or len(spec) == 0:
@@ -116,7 +119,8 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     if spec == "taylor":
         return NSSchedule((TAYLOR,) * ns_steps)
     if spec == "polar_express":
-        steps = POLAR_EXPRESS[:ns_steps] + (POLAR_EXPRESS[-1],) * max(0, ns_steps - len(POLAR_EXPRESS))
+        extra = max(0, ns_steps - len(POLAR_EXPRESS))
+        steps = POLAR_EXPRESS[:ns_steps] + (POLAR_EXPRESS[-1],) * extra
         return NSSchedule(steps, norm_scale=1.02)
     if isinstance(spec[0], float):
         return NSSchedule((spec,) * ns_steps)
@@ -146,7 +150,101 @@ def newton_schulz(
     callers cast when applying the update). ``steps=0`` returns the normalized input.
     """
     if G.ndim < 2:
-        raise ValueError(f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}")
+        raise ValueError(
+            f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
+        )
+    return run_schedule(G, resolve_schedule(normalize_coefficients(coefficients, steps), steps),
+                        dtype)
+
+
+def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype,
+                 workspace: Workspace | None = None) -> Tensor:
+    """The iteration of :func:`newton_schulz` for a resolved schedule.
+
+    Free of Python-side caches, so ``torch.compile`` can trace it (``MuonEq(compile=True)``).
+    Matrices run through ``addmm`` (the operations and order of ``torch.optim.Muon``, which
+    it matches bit for bit in bf16), stacks ``(B, m, n)`` through ``baddbmm``. With a
+    ``workspace`` a matrix is iterated in its reused buffers (same operations, written with
+    ``out=``; ``G`` itself is normalized in place when it already has ``dtype``): the result
+    is valid until the workspace's next Newton–Schulz call.
+    """
+    X = G.to(dtype)
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    scale = (norm * schedule.norm_scale).clamp(min=NORM_EPS)
+    if workspace is not None and X.ndim == 2:
+        X = _iterate_in(workspace, X.div_(scale), schedule.coefficients)
+    else:
+        X = X / scale
+        batched = X.ndim > 2
+        for a, b, c in schedule.coefficients:
+            A = X @ X.mT
+            if batched:
+                B = torch.baddbmm(A, A, A, beta=b, alpha=c) if X.ndim == 3 else b * A + c * (A @ A)
+                X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
+            else:
+                B = torch.addmm(A, A, A, beta=b, alpha=c)
+                X = torch.addmm(X, B, X, beta=a)
+    if transposed:
+        X = X.mT
+    return X
+
+
+def _iterate_in(workspace: Workspace, X: Tensor, coefficients) -> Tensor:
+    """The 2-D loop of :func:`run_schedule` in workspace buffers; ``X`` is wide (m ≤ n)."""
+    m, n = X.shape
+    take = functools.partial(workspace.take, dtype=X.dtype, device=X.device)
+    A, B = take("ns_gram", (m, m)), take("ns_poly", (m, m))
+    for k, (a, b, c) in enumerate(coefficients):
+        torch.mm(X, X.mT, out=A)
+        torch.addmm(A, A, A, beta=b, alpha=c, out=B)
+        X = torch.addmm(X, B, X, beta=a, out=take(f"ns_x{k % 2}", (m, n)))
+    return X
+
+
+class Workspace:
+    """Scratch tensors reused from matrix to matrix and from step to step.
+
+    One flat buffer per name and dtype, grown to the largest request and viewed with the
+    requested shape, so it holds as much as one matrix's temporaries. On CPU, allocating and
+    first touching fresh multi-megabyte tensors for every matrix costs about as much as the
+    element-wise work on them. A tensor taken under a name is valid until that name is taken
+    again.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple, Tensor] = {}
+
+    def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+        key, size = (name, dtype, torch.device(device)), math.prod(shape)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < size:
+            flat = self._flat[key] = torch.empty(size, dtype=dtype, device=device)
+        return flat[:size].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def newton_schulz_iterates(
+    G: Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Iterator[Tensor]:
+    """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
+
+    One pass records the whole error curve of Theorem ``th_ns`` (the spectral diagnostics use
+    it); it performs the same operations in the same order as :func:`newton_schulz`, so the
+    last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
+    """
+    if G.ndim < 2:
+        raise ValueError(
+            f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
+        )
     schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
     X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
@@ -154,15 +252,16 @@ def newton_schulz(
         X = X.mT
     norm = X.norm(dim=(-2, -1), keepdim=True)
     X = X / (norm * schedule.norm_scale).clamp(min=NORM_EPS)
-    batched = X.ndim > 2
+    yield X.mT if transposed else X
     for a, b, c in schedule.coefficients:
         A = X @ X.mT
-        if batched:
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if X.ndim == 3 else b * A + c * (A @ A)
-            X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else a * X + B @ X
-        else:
+        if X.ndim == 2:
             B = torch.addmm(A, A, A, beta=b, alpha=c)
             X = torch.addmm(X, B, X, beta=a)
-    if transposed:
-        X = X.mT
-    return X
+        elif X.ndim == 3:
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a)
+        else:
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
+        yield X.mT if transposed else X

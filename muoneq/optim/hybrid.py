@@ -14,6 +14,10 @@ One optimizer object serves a whole model. Each param group is either
 Subclasses override :meth:`_direction` (and :meth:`_init_matrix_state` when the method keeps
 extra state), plus ``_extra_defaults``/``_validate_extra`` for their own hyper-parameters.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``.
+
+Directions are computed one matrix at a time on CPU, as stacks of same-shape matrices on
+accelerators, split between ranks under DDP and gathered into whole matrices under FSDP2
+(:mod:`muoneq.optim.distributed`); every path gives the single-process result.
 """
 
 from __future__ import annotations
@@ -23,12 +27,27 @@ from collections.abc import Callable, Iterable
 from numbers import Real
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
+from muoneq.newton_schulz import Workspace, normalize_coefficients, resolve_dtype
 from muoneq.optim.adamw import adamw_update, init_adamw_state
+from muoneq.optim.distributed import (
+    MatrixSlot,
+    check_same_gradients,
+    exchange_replicated,
+    exchange_row_sharded,
+    full_tensor,
+    is_dtensor,
+    local,
+    local_part,
+    row_shard_dim,
+)
 
 LR_ADJUST = ("rms", "spectral", "spectral_unclamped", "none")
+BATCHING = ("auto", "per_matrix", "stacked")
+#: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
+_STACK_ELEMENTS = 1 << 26
 
 
 def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
@@ -68,10 +87,35 @@ def _number(group: dict, key: str, *, low: float = 0.0, high: float | None = Non
 
 
 class HybridOrthogonalOptimizer(torch.optim.Optimizer):
-    """Base class: orthogonalized updates for matrix groups, AdamW for the rest."""
+    """Base class: orthogonalized updates for matrix groups, AdamW for the rest.
+
+    Optimizer-wide settings of how (not what) is computed:
+
+    * ``distributed``: ``"auto"`` (default) splits the matrices of a step between the ranks of
+      ``process_group`` (default: the world) when ``torch.distributed`` is initialized with more
+      than one rank and the parameters are replicated (DDP); ``False`` makes every rank compute
+      every matrix; ``True`` is ``"auto"`` that raises if no process group is initialized.
+      Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
+      setting. Only methods whose :attr:`stateless_direction` is true can be split.
+    * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
+      in one batched call, stateless directions only) or ``"auto"`` (default): stacked on
+      accelerators, per matrix on CPU.
+    """
 
     #: Hyper-parameters a subclass adds on top of the common ones (name → default).
     _extra_defaults: dict = {}
+
+    #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only (it ignores
+    #: ``p`` and ``state``, may be called with ``p = state = None``) and accepts a batch
+    #: ``(..., m, n)`` returned in the group's ``ns_dtype``. Such directions can be computed by
+    #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
+    #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
+    stateless_direction: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_direction" in cls.__dict__ and "stateless_direction" not in cls.__dict__:
+            cls.stateless_direction = False
 
     def __init__(
         self,
@@ -88,8 +132,22 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         use_muon: bool = True,
+        distributed: bool | str = "auto",
+        batching: str = "auto",
+        process_group=None,
         **extra,
     ):
+        if not (isinstance(distributed, bool) or distributed == "auto"):
+            raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
+        if batching not in BATCHING:
+            raise ValueError(
+                f"batching: unknown value {batching!r}; allowed: {', '.join(BATCHING)}"
+            )
+        self.distributed = distributed
+        self.batching = batching
+        self.process_group = process_group
+        self._checked_same_gradients = False
+        self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
         unknown = set(extra) - set(self._extra_defaults)
         if unknown:
             allowed = sorted(
@@ -109,6 +167,11 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         )
         defaults.update({**self._extra_defaults, **extra})
         super().__init__(params, defaults)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Scratch memory kept between steps (one matrix's temporaries; not optimizer state)."""
+        return self._workspace.nbytes
 
     # ----------------------------------------------------------------- validation
     def add_param_group(self, param_group: dict) -> None:
@@ -170,15 +233,14 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the update
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """Map the (Nesterov-mixed) momentum, viewed as a matrix, to the update direction."""
-        raise NotImplementedError
+        """Map the (Nesterov-mixed) momentum, viewed as a matrix, to the update direction.
 
-    def _directions(self, params: list[Tensor], m_tildes: list[Tensor], group: dict) -> list[Tensor]:
-        """Directions for every parameter of a group (overridden for batched/distributed paths)."""
-        return [
-            self._direction(p, m.reshape(matrix_shape(p)), self.state[p], group)
-            for p, m in zip(params, m_tildes, strict=True)
-        ]
+        ``p``, ``m_tilde`` and ``state`` are whole (under FSDP2 the base class gathers them
+        for methods that are not :attr:`stateless_direction`). ``m_tilde`` is scratch (the
+        method may overwrite it); the returned tensor is consumed before the next call (it
+        may live in a reused buffer).
+        """
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -209,12 +271,146 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         return loss
 
     def _matrix_step(self, params: list[Tensor], grads: list[Tensor], group: dict) -> None:
-        beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_lerp_(bufs, grads, 1 - beta)  # M ← βM + (1−β)G
-        m_tildes = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
-        directions = self._directions(params, m_tildes, group)
+        """Momentum for every matrix, then directions by the path that fits the layout.
+
+        Replicated parameters: computed here, or split between ranks (:attr:`distributed`).
+        Row-sharded ``DTensor`` parameters (FSDP2): whole matrices are gathered on an owner
+        rank, or on every rank for methods with state of their own.
+        """
+        slots = [
+            MatrixSlot(p, local(p), local(g), local(self.state[p]["momentum_buffer"]),
+                       matrix_shape(p))
+            for p, g in zip(params, grads, strict=True)
+        ]
+        torch._foreach_lerp_(  # M ← βM + (1−β)G
+            [s.momentum for s in slots], [s.grad for s in slots], 1 - group["momentum"]
+        )
+        replicated, sharded = [], {}
+        for s in slots:
+            dim = row_shard_dim(s.param)
+            if dim is None:
+                replicated.append(s)
+            else:
+                sharded.setdefault((id(s.param.device_mesh), dim), []).append(s)
+        if replicated:
+            self._replicated_step(replicated, group)
+        for (_, dim), part in sharded.items():
+            self._row_sharded_step(part, group, dim)
+
+    def _m_tilde(self, slot: MatrixSlot, group: dict) -> Tensor:
+        """This rank's ``M̃`` of a slot, in the workspace: consume it before the next call."""
+        g = slot.grad
+        out = self._workspace.take("m_tilde", g.shape, g.dtype, g.device)
+        return slot.m_tilde(group["momentum"], group["nesterov"], out=out)
+
+    def _whole_m_tilde(self, slot: MatrixSlot, group: dict) -> Callable[[], Tensor]:
+        return lambda: self._m_tilde(slot, group).reshape(slot.shape)
+
+    def _apply(self, slot: MatrixSlot, direction: Tensor, group: dict) -> None:
+        """``X ← (1 − η·λ)X − a·η·direction`` on this rank's part of the parameter.
+
+        A direction in another dtype is first cast into the (now free) ``M̃`` buffer: adding
+        it directly would make torch allocate that cast for every matrix (same values).
+        """
+        lr, wd = group["lr"], group["weight_decay"]
+        value = slot.value
         if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        for p, d in zip(params, directions, strict=True):
-            p.add_(d.reshape(p.shape), alpha=-lr * lr_scale(matrix_shape(p), group["lr_adjust"]))
+            value.mul_(1 - lr * wd)
+        direction = direction.reshape(value.shape)
+        if direction.dtype != value.dtype:
+            buffer = self._workspace.take("m_tilde", value.shape, value.dtype, value.device)
+            if buffer.untyped_storage().data_ptr() != direction.untyped_storage().data_ptr():
+                direction = buffer.copy_(direction)
+        value.add_(direction, alpha=-lr * lr_scale(slot.shape, group["lr_adjust"]))
+
+    def _split_group(self):
+        """The process group to split replicated matrices over, ``None`` to compute them here."""
+        if not self.stateless_direction or self.distributed is False:
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.distributed is True:
+                raise RuntimeError(
+                    "distributed=True: torch.distributed is not initialized; call "
+                    "init_process_group first, or use distributed='auto' / False"
+                )
+            return None
+        group = self.process_group or dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _replicated_step(self, slots: list[MatrixSlot], group: dict) -> None:
+        def apply(slot: MatrixSlot, direction: Tensor) -> None:
+            self._apply(slot, direction, group)
+
+        thunks = [self._whole_m_tilde(s, group) for s in slots]
+        pg = self._split_group()
+        if pg is None:
+            self._compute(list(zip(slots, thunks, strict=True)), group, apply)
+            return
+        if not self._checked_same_gradients:
+            check_same_gradients(slots, pg)
+            self._checked_same_gradients = True
+        exchange_replicated(
+            slots, thunks, lambda items, sink: self._compute(items, group, sink), apply,
+            steps=group["ns_steps"], dtype=group["ns_dtype"], group=pg,
+        )
+
+    def _row_sharded_step(self, slots: list[MatrixSlot], group: dict, mesh_dim: int) -> None:
+        def apply_rows(slot: MatrixSlot, rows: Tensor) -> None:
+            self._apply(slot, rows, group)
+
+        if self.stateless_direction:
+            exchange_row_sharded(
+                slots, [lambda s=s: self._m_tilde(s, group) for s in slots],
+                lambda items, sink: self._compute(items, group, sink), apply_rows,
+                steps=group["ns_steps"], dtype=group["ns_dtype"], mesh_dim=mesh_dim,
+            )
+            return
+        # A method with state of its own: every rank computes every direction from whole
+        # matrices (the parameter with its gradient, M̃ and the state), then keeps its rows.
+        for s in slots:
+            p = s.param
+            whole_p = p.full_tensor()
+            whole_p.grad = p.grad.full_tensor()
+            m_tilde = full_tensor(p, self._m_tilde(s, group)).reshape(s.shape)
+            state = self.state[p]
+            whole_state = {k: v.full_tensor() if is_dtensor(v) else v
+                           for k, v in state.items()}
+            direction = self._direction(whole_p, m_tilde, whole_state, group)
+            for k, v in whole_state.items():
+                if is_dtensor(state.get(k)):
+                    local(state[k]).copy_(local_part(state[k], v))
+                else:
+                    state[k] = v
+            self._apply(s, local_part(p, direction.reshape(p.shape)), group)
+
+    def _compute(self, items: list, group: dict, sink: Callable[[MatrixSlot, Tensor], None]):
+        """Directions of ``(slot, whole-M̃ thunk)`` items computed on this rank, given to sink.
+
+        Per matrix (CPU default: BLAS is at its peak on one matrix and each M̃ lives only for
+        its own step), or, for stateless directions, as stacks of same-shape matrices in one
+        batched call (GPU default: one launch per NS product for the whole stack).
+        """
+        if not (self.stateless_direction and self._stacked(items)):
+            for slot, thunk in items:
+                sink(slot, self._direction(slot.param, thunk(), self.state[slot.param], group))
+            return
+        buckets: dict[tuple, list] = {}
+        for slot, thunk in items:
+            key = (slot.shape, slot.grad.dtype, slot.grad.device)
+            buckets.setdefault(key, []).append((slot, thunk))
+        for (shape, dtype, device), bucket in buckets.items():
+            per_stack = max(1, _STACK_ELEMENTS // math.prod(shape))
+            for start in range(0, len(bucket), per_stack):
+                chunk = bucket[start : start + per_stack]
+                stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
+                for j, (_, thunk) in enumerate(chunk):
+                    stack[j].copy_(thunk())
+                directions = self._direction(None, stack, None, group)
+                del stack
+                for j, (slot, _) in enumerate(chunk):
+                    sink(slot, directions[j])
+
+    def _stacked(self, items: list) -> bool:
+        if self.batching == "auto":
+            return bool(items) and items[0][0].value.device.type != "cpu"
+        return self.batching == "stacked"

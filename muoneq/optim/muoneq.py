@@ -7,9 +7,41 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from muoneq.equilibration import canonical_mode, diag_pre
-from muoneq.newton_schulz import newton_schulz
+from muoneq.equilibration import canonical_mode
+from muoneq.newton_schulz import resolve_schedule, run_schedule
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number
+
+
+def diag_pre_cast(M: Tensor, mode: str, eps: float, dtype: torch.dtype,
+                  out: Tensor | None = None, overwrite: bool = False) -> Tensor:
+    """:func:`muoneq.equilibration.diag_pre` fused with the cast to the Newton–Schulz dtype.
+
+    The same map (eq. ``diagpre_family``: row/column sums of ``M⊙M`` from the same ``M`` plus
+    ``eps``, pseudo-inverse at 0, arithmetic in float32 at least), but each sum of squares is
+    one reduction (no ``M⊙M`` temporary) and the result is written once in ``dtype`` (into
+    ``out`` when given). With ``overwrite`` the scaling happens in ``M`` itself (scratch), so
+    nothing of ``M``'s size is allocated. ``mode`` is canonical
+    (:func:`~muoneq.equilibration.canonical_mode`); works on batches ``(..., m, n)``.
+    """
+    if out is None:
+        out = torch.empty(M.shape, dtype=dtype, device=M.device)
+    if mode == "none":
+        return out.copy_(M)
+    work = M if M.dtype in (torch.float32, torch.float64) else M.float()
+    scales = [_inv_sqrt_sum_sq(work, dim, eps)
+              for dim, used in ((-1, mode in ("R", "RC")), (-2, mode in ("C", "RC"))) if used]
+    inplace = overwrite or work is not M
+    if len(scales) == 2:
+        work = work.mul_(scales[0]) if inplace else work * scales[0]
+    if inplace and out.dtype != work.dtype:  # torch.mul(out=) would allocate the cast
+        return out.copy_(work.mul_(scales[-1]))
+    return torch.mul(work, scales[-1], out=out)
+
+
+def _inv_sqrt_sum_sq(M: Tensor, dim: int, eps: float) -> Tensor:
+    """``(Σ M² + eps)^{-1/2}`` along ``dim`` (kept), ``0`` where the sum is ``0``."""
+    d = torch.linalg.vector_norm(M, dim=dim, keepdim=True).square_().add_(eps)
+    return torch.where(d > 0, d.rsqrt(), 0.0)
 
 
 class MuonEq(HybridOrthogonalOptimizer):
@@ -43,9 +75,19 @@ class MuonEq(HybridOrthogonalOptimizer):
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
         lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``) or ``"none"``.
         adamw_betas, adamw_eps: AdamW settings of ``use_muon=False`` groups.
+        distributed: ``"auto"`` (split the matrices between DDP ranks when torch.distributed
+            is initialized), ``True`` (the same, but require a process group) or ``False``
+            (every rank computes every matrix). Row-sharded FSDP2 parameters always gather
+            whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
+        batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
+            or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
+        compile: run Newton–Schulz through ``torch.compile`` (opt-in; fuses the scaling and
+            casts on GPU, rounds slightly differently from eager).
+        process_group: the group to split replicated matrices over (default: the world).
     """
 
     _extra_defaults = {"mode": "R", "eps": 1e-8}
+    stateless_direction = True
 
     def __init__(
         self,
@@ -62,12 +104,21 @@ class MuonEq(HybridOrthogonalOptimizer):
         lr_adjust: str = "rms",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        *,
+        distributed: bool | str = "auto",
+        batching: str = "auto",
+        compile: bool = False,
+        process_group=None,
     ):
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile: expected True or False, got {compile!r}")
+        self._compiled = torch.compile(run_schedule) if compile else None
         super().__init__(
             params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
             lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            mode=mode, eps=eps,
+            mode=mode, eps=eps, distributed=distributed, batching=batching,
+            process_group=process_group,
         )
 
     def _validate_extra(self, group: dict) -> None:
@@ -75,7 +126,15 @@ class MuonEq(HybridOrthogonalOptimizer):
         _number(group, "eps")
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        balanced = diag_pre(m_tilde, group["mode"], group["eps"])
-        return newton_schulz(
-            balanced, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"]
-        )
+        """``NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack ``(B, m, n)``."""
+        dtype = group["ns_dtype"]
+        schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+        if self._compiled is not None:
+            balanced = diag_pre_cast(m_tilde, group["mode"], group["eps"], dtype)
+            return self._compiled(balanced, schedule, dtype)
+        # one matrix: temporaries in the optimizer's workspace (a stack allocates its own)
+        ws = self._workspace if m_tilde.ndim == 2 else None
+        out = None if ws is None else ws.take("balanced", m_tilde.shape, dtype, m_tilde.device)
+        balanced = diag_pre_cast(m_tilde, group["mode"], group["eps"], dtype, out=out,
+                                 overwrite=True)
+        return run_schedule(balanced, schedule, dtype, workspace=ws)

@@ -1,0 +1,1 @@
+"""Benchmarks of the optimizer step (installed as ``muoneq.benchmarks``; ``muoneq bench``)."""

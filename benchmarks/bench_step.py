@@ -1,0 +1,431 @@
+"""Time one optimizer step on realistic matrix sets: ``muoneq bench`` (``make bench``).
+
+For each matrix set (GPT-2 small's hidden matrices, LLaMA2-130M's hidden matrices, ResNet-18's
+conv filters) every contender owns a copy of the parameters with the same gradients, and the
+contenders' steps are *interleaved* (each repeat runs each once, in rotating order) so that
+load from other processes hits all of them alike. Reported per contender:
+
+* ``ms``: median step time; ``vs_torch``/``vs_muon``: median over repeats of the per-repeat
+  ratio to ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) / to this project's Muon;
+* ``gflops``: Newton–Schulz FLOPs of the set (``K·(4m²n + 2m³)`` per matrix) per second, and
+  ``of_matmul``: that rate over a bf16 matmul rate measured in the same loop;
+* ``peak_extra_mb``: memory allocated during one step beyond what existed before it (CUDA:
+  the allocator's peak; CPU: the profiler's allocation trace), plus the scratch workspace
+  our optimizers keep between steps;
+* ``state_bytes``: persistent optimizer state (Muon keeps one buffer per matrix);
+* ``err_gauss``/``err_decay``: relative Frobenius distance between the contender's direction
+  and a float64 NS5 of the same (equilibrated) input, worst over the set's shapes, for a
+  Gaussian input and one whose singular values decay from 1 to 1e-3; ``x_torch_*``: the
+  same figure over ``torch.optim.Muon``'s, worst over shapes (the accuracy rule: ≤ 1.5).
+
+The table is printed as Markdown and written as JSON with the device name. ``--quick`` runs
+miniature sets (CI smoke test); the full run takes a few minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from muoneq.equilibration import diag_pre
+from muoneq.newton_schulz import QUINTIC, newton_schulz
+from muoneq.optim import MuonEq
+from muoneq.optim.distributed import balance, ns_flops
+from muoneq.optim.hybrid import lr_scale, matrix_shape
+
+NS_STEPS = 5
+HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+ACCURACY_RULE = 1.5
+
+
+# ----------------------------------------------------------------------------- matrix sets
+def gpt2_small(quick: bool) -> list[tuple[int, ...]]:
+    """Per block: attention ``c_attn`` (3d×d), ``c_proj`` (d×d), MLP ``c_fc`` (4d×d), ``c_proj``
+    (d×4d); d = 768, 12 blocks (quick: d = 96, 2 blocks)."""
+    d, layers = (64, 2) if quick else (768, 12)
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
+def llama2_130m(quick: bool) -> list[tuple[int, ...]]:
+    """Per block: q, k, v, o (d×d), gate and up (f×d), down (d×f); d = 768, f = 2048, 12 blocks
+    (the paper's LLaMA2-130M; quick: d = 64, f = 176, 2 blocks)."""
+    d, f, layers = (64, 176, 2) if quick else (768, 2048, 12)
+    return ([(d, d)] * 4 + [(f, d)] * 2 + [(d, f)]) * layers
+
+
+def resnet18_filters(quick: bool) -> list[tuple[int, ...]]:
+    """The conv filters of ResNet-18 after the stem (torchvision's layout; quick: channels/8)."""
+    from torchvision.models import resnet18
+
+    shapes = [tuple(p.shape) for name, p in resnet18().named_parameters()
+              if p.ndim == 4 and name != "conv1.weight"]
+    if quick:
+        shapes = [(o // 8, max(1, i // 8), kh, kw) for o, i, kh, kw in shapes]
+    return shapes
+
+
+MATRIX_SETS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
+    "gpt2_small": gpt2_small,
+    "llama2_130m": llama2_130m,
+    "resnet18": resnet18_filters,
+}
+
+
+# ----------------------------------------------------------------------------- the paper's loop
+class PaperLoopMuonEq(torch.optim.Optimizer):
+    """MuonEq-R as the authors' code runs it: one parameter at a time, their momentum
+    ``buf ← β·buf + g`` with Nesterov ``g + β·buf``, row scaling from ``square().sum()``,
+    Keller Jordan's unfused NS5 in bf16 (``X ← aX + (bA + cA²)X``), then the update."""
+
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    @staticmethod
+    def _ns5(G: Tensor) -> Tensor:
+        a, b, c = QUINTIC
+        X = G.bfloat16()
+        if G.size(0) > G.size(1):
+            X = X.T
+        X = X / (X.norm() + 1e-7)
+        for _ in range(NS_STEPS):
+            A = X @ X.T
+            B = b * A + c * A @ A
+            X = a * X + B @ X
+        return X.T if G.size(0) > G.size(1) else X
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                g = p.grad.view(p.size(0), -1)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.mul_(beta).add_(g)
+                u = g.add(buf, alpha=beta)
+                u = u * (u.square().sum(dim=1) + 1e-8).rsqrt()[:, None]
+                u = self._ns5(u)
+                p.mul_(1 - lr * wd)
+                p.add_(u.view_as(p), alpha=-lr * lr_scale(matrix_shape(p), "rms"))
+
+
+# ----------------------------------------------------------------------------- contenders
+@dataclass
+class Contender:
+    name: str
+    build: Callable[[list[Tensor], dict], torch.optim.Optimizer]
+    mode: str  # the DiagPre mode its direction applies (accuracy reference)
+    flat: bool = False  # needs 2-D parameters (torch.optim.Muon rejects conv filters)
+
+
+def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
+    def muoneq(mode, **options):
+        return lambda params, hp: MuonEq(params, mode=mode, nesterov=True, **hp, **options)
+
+    out = [
+        Contender("torch.optim.Muon", lambda params, hp: torch.optim.Muon(
+            params, nesterov=True, adjust_lr_fn="match_rms_adamw", **hp), "none", flat=True),
+        Contender("Muon (ours)", muoneq("none"), "none"),
+        Contender("MuonEq-R", muoneq("R"), "R"),
+        Contender("MuonEq-C", muoneq("C"), "C"),
+        Contender("MuonEq-RC", muoneq("RC"), "RC"),
+        Contender("paper loop (R)", lambda params, hp: PaperLoopMuonEq(params, **hp), "R"),
+    ]
+    other = "per_matrix" if device.type != "cpu" else "stacked"
+    out.append(Contender(f"MuonEq-R ({other})", muoneq("R", batching=other), "R"))
+    if compile_ns:
+        out.append(Contender("MuonEq-R (compiled)", muoneq("R", compile=True), "R"))
+    return out
+
+
+# ----------------------------------------------------------------------------- measurements
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence the profiler's native start/stop chatter (it writes to file descriptor 2)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
+    """Most memory allocated at once while ``fn`` runs, beyond what was allocated before."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with tempfile.TemporaryDirectory() as folder, _quiet_native_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max([0, *totals])
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for state in opt.state.values()
+               for v in state.values() if isinstance(v, Tensor))
+
+
+def accuracy_input(shape: tuple[int, int], kind: str, gen: torch.Generator) -> Tensor:
+    """A Gaussian matrix, or ``U·diag(s)·Vᵀ`` with random orthonormal U, V and ``s`` decaying
+    geometrically from 1 to 1e-3."""
+    m, n = shape
+    if kind == "gaussian":
+        return torch.randn(m, n, generator=gen)
+    if kind != "decay":
+        raise ValueError(f"accuracy input: unknown kind {kind!r}; allowed: gaussian, decay")
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    s = torch.logspace(0, -3, k, dtype=torch.float64)
+    return ((U * s) @ V.T).float()
+
+
+def direction_of(contender: Contender, shape: tuple[int, ...], G: Tensor, device) -> Tensor:
+    """The contender's direction for momentum input ``G``: one step from zero with lr 1,
+    momentum 0 and no weight decay leaves ``p = −a·O``."""
+    full = shape if not contender.flat else matrix_shape(torch.empty(shape, device="meta"))
+    p = nn.Parameter(torch.zeros(full, device=device))
+    p.grad = G.reshape(full).to(device)
+    opt = contender.build([p], {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0})
+    opt.step()
+    m, n = G.shape
+    return (-p.detach().reshape(m, n).double() / lr_scale((m, n), "rms")).cpu()
+
+
+def accuracy(entries: list[Contender], shapes, device) -> dict[str, dict[str, float]]:
+    """Worst relative error over the set's distinct shapes, and worst ratio to torch's."""
+    gen = torch.Generator().manual_seed(0)
+    worst = {c.name: {} for c in entries}
+    for shape in dict.fromkeys(shapes):
+        mat = matrix_shape(torch.empty(shape, device="meta"))
+        for kind in ("gaussian", "decay"):
+            G = accuracy_input(mat, kind, gen)
+            refs = {}
+            errors = {}
+            for c in entries:
+                if c.mode not in refs:
+                    refs[c.mode] = newton_schulz(diag_pre(G.double(), c.mode, 1e-8), NS_STEPS,
+                                                 "quintic", torch.float64)
+                ref = refs[c.mode]
+                errors[c.name] = ((direction_of(c, shape, G, device) - ref).norm()
+                                  / ref.norm()).item()
+            for c in entries:
+                w = worst[c.name]
+                w[f"err_{kind}"] = max(w.get(f"err_{kind}", 0.0), errors[c.name])
+                ratio = errors[c.name] / errors["torch.optim.Muon"]
+                w[f"x_torch_{kind}"] = max(w.get(f"x_torch_{kind}", 0.0), ratio)
+    return worst
+
+
+def matmul_rate(shapes, device, dtype=torch.bfloat16) -> Callable[[], float]:
+    """A timer of ``X·Xᵀ`` and ``A·X`` on the set's costliest shape, repeated for about a
+    tenth of the set's NS FLOPs; returns GFLOP/s."""
+    mats = [matrix_shape(torch.empty(s, device="meta")) for s in shapes]
+    m, n = sorted(max(mats, key=lambda s: ns_flops(s, 1)))
+    X = torch.randn(m, n, device=device, dtype=dtype)
+    A = torch.randn(m, m, device=device, dtype=dtype)
+    calls = max(1, round(sum(ns_flops(s, NS_STEPS) for s in mats) / 10 / (4 * m * m * n)))
+
+    def timed() -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(X, X.mT)
+            torch.mm(A, X)
+        synchronize(device)
+        return calls * 4 * m * m * n / (time.perf_counter() - start) / 1e9
+
+    return timed
+
+
+def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    values = [torch.randn(s, generator=gen).mul_(0.02).to(device) for s in shapes]
+    opts = {}
+    for c in entries:
+        params = []
+        for v, g in zip(values, grads, strict=True):
+            p = nn.Parameter(v.reshape(v.size(0), -1).clone() if c.flat else v.clone())
+            p.grad = g.view_as(p)
+            params.append(p)
+        opts[c.name] = c.build(params, dict(HPARAMS))
+    rate = matmul_rate(shapes, device)
+    for opt in opts.values():  # warm up: first-touch allocations, BLAS packing, compilation
+        opt.step()
+    rate()
+    times = {c.name: [] for c in entries}
+    rates = []
+    for r in range(repeats):
+        order = entries[r % len(entries):] + entries[: r % len(entries)]
+        for c in order:
+            synchronize(device)
+            start = time.perf_counter()
+            opts[c.name].step()
+            synchronize(device)
+            times[c.name].append(time.perf_counter() - start)
+        rates.append(rate())
+    flops = sum(ns_flops(matrix_shape(torch.empty(s, device="meta")), NS_STEPS) for s in shapes)
+    matmul_gflops = statistics.median(rates)
+    acc = accuracy(entries, shapes, device)
+    rows = {}
+    for c in entries:
+        t = times[c.name]
+        ms = statistics.median(t) * 1e3
+        rows[c.name] = {
+            "ms": ms,
+            "vs_torch": statistics.median(
+                a / b for a, b in zip(t, times["torch.optim.Muon"], strict=True)),
+            "vs_muon": statistics.median(
+                a / b for a, b in zip(t, times["Muon (ours)"], strict=True)),
+            "gflops": flops / (ms / 1e3) / 1e9,
+            "of_matmul": flops / (ms / 1e3) / 1e9 / matmul_gflops,
+            "peak_extra_mb": (peak_extra_bytes(opts[c.name].step, device)
+                              + getattr(opts[c.name], "workspace_bytes", 0)) / 2**20,
+            "state_bytes": state_bytes(opts[c.name]),
+            **acc[c.name],
+            "times_ms": [x * 1e3 for x in t],
+        }
+    costs = [ns_flops(matrix_shape(torch.empty(s, device="meta")), NS_STEPS) for s in shapes]
+    ddp = {}
+    for world in (2, 4, 8):
+        loads = [0.0] * world
+        for cost, owner in zip(costs, balance(costs, world), strict=True):
+            loads[owner] += cost
+        ddp[str(world)] = {
+            "max_share_over_ideal": max(loads) / (sum(costs) / world),
+            "within_bound": max(loads) <= sum(costs) / world + max(costs),
+        }
+    return {
+        "matrices": len(shapes),
+        "parameters": sum(math.prod(s) for s in shapes),
+        "ns_gflop": flops / 1e9,
+        "matmul_gflops": matmul_gflops,
+        "contenders": rows,
+        "ddp_split": ddp,
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def table(result: dict) -> str:
+    lines = []
+    for name, data in result["sets"].items():
+        lines.append(f"\n**{name}** — {data['matrices']} matrices, {data['parameters'] / 1e6:.1f}M "
+                     f"parameters, {data['ns_gflop']:.0f} GFLOP of NS5; bf16 matmul "
+                     f"{data['matmul_gflops']:.0f} GFLOP/s\n")
+        lines.append("| contender | ms/step | × torch | × Muon (ours) | GFLOP/s | of matmul "
+                     "| peak extra MB | state MB | err Gauss (× torch) | err decay (× torch) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for cname, row in data["contenders"].items():
+            lines.append(
+                f"| {cname} | {row['ms']:.0f} | {row['vs_torch']:.3f} | {row['vs_muon']:.3f} | "
+                f"{row['gflops']:.0f} | {row['of_matmul']:.2f} | {row['peak_extra_mb']:.0f} | "
+                f"{row['state_bytes'] / 2**20:.0f} | {row['err_gaussian']:.2e} "
+                f"({row['x_torch_gaussian']:.2f}) | {row['err_decay']:.2e} "
+                f"({row['x_torch_decay']:.2f}) |"
+            )
+        split = ", ".join(f"W={w}: {d['max_share_over_ideal']:.3f}×"
+                          for w, d in data["ddp_split"].items())
+        lines.append(f"\nDDP split, busiest rank's NS FLOPs over total/W: {split}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="muoneq bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--sets", default=",".join(MATRIX_SETS),
+                        help=f"comma-separated, from: {', '.join(MATRIX_SETS)}")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per contender (default 7, quick: 3)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--compile", action="store_true",
+                        help="add MuonEq-R with torch.compile'd Newton–Schulz")
+    parser.add_argument("--quick", action="store_true", help="miniature sets (smoke test)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default runs/bench/step_<device>[_quick].json)")
+    args = parser.parse_args(argv)
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    unknown = [s for s in sets if s not in MATRIX_SETS]
+    if unknown or not sets:
+        parser.error(f"--sets: unknown {unknown}; allowed: {', '.join(MATRIX_SETS)}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        parser.error(f"--device: expected auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (3 if args.quick else 7)
+    if repeats < 1:
+        parser.error("--repeats: must be ≥ 1")
+    entries = contenders(device, args.compile)
+    result = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "muoneq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "repeats": repeats,
+        "quick": args.quick,
+        "hparams": HPARAMS,
+        "sets": {},
+    }
+    for name in sets:
+        print(f"[bench] {name} …", flush=True)
+        result["sets"][name] = bench_set(MATRIX_SETS[name](args.quick), entries, device, repeats)
+    out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"device: {result['device']}, torch {result['torch']}, {repeats} repeats")
+    print(table(result))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""``SpectralMonitor``: measure the pre-NS momentum during training (Figures fig3,
+fig:spectral_metrics, fig:e_b_metrics), without touching the trajectory.
+
+At a few chosen optimizer steps (default 1%, 10%, 50% and 100% of training) the callback rebuilds,
+for every selected weight, the matrix the optimizer has just fed to DiagPre and Newton–Schulz,
+
+    M̃ = lerp(G, M', β) = βM' + (1−β)G   (Nesterov),   M̃ = M'   (otherwise),
+
+from the gradient ``G`` (``p.grad``) and the updated momentum buffer ``M'`` (the optimizer state
+``momentum_buffer``) of the step that just finished, and runs
+:func:`muoneq.diagnostics.error_decomposition` on float64 copies for every normalization:
+stable rank, entropy, condition number of ``S(M̃)``, the relative NS error curve over steps
+0..K and eq. ``error_decomp``'s finite-step error and bias.
+
+Why after the step (``on_train_batch_end``) rather than in ``on_before_optimizer_step``: Lightning
+clips gradients *after* that hook, so ``G`` seen there is not the one the optimizer uses. After the
+step, ``p.grad`` still holds the (clipped, unscaled, all-reduced) gradient, Lightning zeroes it only
+in the next step, and the buffer holds ``M'``: the matrix above is exactly the optimizer's.
+
+Supported optimizers: those keeping the EMA momentum in ``state[p]["momentum_buffer"]`` with
+``momentum``/``nesterov`` in the param group (``muoneq.MuonEq``, Muon and the other subclasses of
+``HybridOrthogonalOptimizer``, ``torch.optim.Muon``). Under DDP only global rank 0 measures and
+writes; FSDP2 ``DTensor`` shards are gathered with ``full_tensor()`` on every rank first.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
+from muoneq.equilibration import MODES, canonical_mode
+from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+
+METRICS = ("rank", "stable_rank", "condition_number", "entropy", "ns_error", "ns_rel_error",
+           "bias", "total_error")
+
+
+def _full(t: Tensor | None) -> Tensor | None:
+    """The whole tensor of a ``DTensor`` (a collective: every rank must call it), else ``t``."""
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
+def _ema_muon_group(opt, group) -> bool:
+    """Whether ``group`` orthogonalizes an EMA momentum kept in ``state["momentum_buffer"]``."""
+    if isinstance(opt, HybridOrthogonalOptimizer):
+        return bool(group["use_muon"])
+    muon = getattr(torch.optim, "Muon", None)
+    return muon is not None and isinstance(opt, muon)
+
+
+def pre_ns_momentum(grad: Tensor, buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """``M̃`` from the gradient and the *updated* EMA buffer, as a float64 copy (m, n·…)."""
+    m_tilde = grad.lerp(buffer, momentum) if nesterov else buffer
+    return m_tilde.detach().to(torch.float64, copy=True).reshape(m_tilde.shape[0], -1)
+
+
+class SpectralMonitor(pl.Callback):
+    """Log the spectral geometry Newton–Schulz sees, at fixed fractions of training.
+
+    Args:
+        modules: glob patterns (``fnmatch``) on module names of the LightningModule, e.g.
+            ``["model.layers.[0-3].attn.*", "*.mlp.down_proj"]`` or ``["*conv*"]``; each matching
+            module's ``weight`` is measured if it sits in a Muon (matrix) param group.
+        fractions: fractions of the total optimizer steps (``trainer.max_steps``, else
+            ``trainer.estimated_stepping_batches``) at which to measure; a fraction ``f`` fires
+            at the first step ``s`` with ``s ≥ f·total``.
+        steps: explicit optimizer steps (1-based: step ``s`` = after the ``s``-th update)
+            instead of ``fractions``.
+        modes: normalizations to compare (default none, R, C, RC).
+        ns_steps, ns_coefficients: Newton–Schulz steps K and coefficients; default: the
+            param group's own (``ns_steps``/``ns_coefficients``), else 5 and ``"quintic"``.
+        ns_dtype: dtype of the measured NS iteration (default float64, as Theorem th_ns; use
+            the optimizer's, e.g. ``"bfloat16"``, to include its rounding).
+        eps: DiagPre's ``ε`` (default 1e-8, the paper's).
+        rtol: rank tolerance of the SVD metrics (see :mod:`muoneq.diagnostics.metrics`).
+        csv_name: CSV file written in ``trainer.log_dir``.
+        log_figures: also log a Figure-fig3-style plot per measured step to TensorBoard.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[str] = ("*",),
+        fractions: Sequence[float] = (0.01, 0.1, 0.5, 1.0),
+        steps: Sequence[int] | None = None,
+        modes: Sequence[str] = MODES,
+        ns_steps: int | None = None,
+        ns_coefficients=None,
+        ns_dtype: str | torch.dtype = "float64",
+        eps: float = 1e-8,
+        rtol: float | None = None,
+        csv_name: str = "spectra.csv",
+        log_figures: bool = True,
+    ):
+        super().__init__()
+        if isinstance(modules, str) or not modules:
+            raise ValueError(
+                f"modules: expected a non-empty list of name patterns, got {modules!r}"
+            )
+        if steps is None:
+            if not fractions or any(not 0 < float(f) <= 1 for f in fractions):
+                raise ValueError(f"fractions: expected numbers in (0, 1], got {fractions!r}")
+        elif not steps or any(isinstance(s, bool) or int(s) != s or s < 1 for s in steps):
+            raise ValueError(f"steps: expected optimizer steps ≥ 1, got {steps!r}")
+        if ns_steps is not None and (isinstance(ns_steps, bool) or int(ns_steps) != ns_steps
+                                     or ns_steps < 0):
+            raise ValueError(f"ns_steps: expected an integer ≥ 0, got {ns_steps!r}")
+        if ns_coefficients is not None:
+            normalize_coefficients(ns_coefficients, 5 if ns_steps is None else ns_steps)
+        if not eps >= 0:
+            raise ValueError(f"eps: expected a number ≥ 0, got {eps!r}")
+        self.modules = tuple(modules)
+        self.fractions = tuple(float(f) for f in fractions)
+        self.steps = None if steps is None else tuple(int(s) for s in steps)
+        self.modes = tuple(dict.fromkeys(canonical_mode(m) for m in modes))
+        self.ns_steps = ns_steps
+        self.ns_coefficients = ns_coefficients
+        self.ns_dtype = resolve_dtype(ns_dtype)
+        self.eps = eps
+        self.rtol = rtol
+        self.csv_name = csv_name
+        self.log_figures = log_figures
+        self.target_steps: frozenset[int] = frozenset()
+        self.total_steps = 0
+        self.csv_path: Path | None = None
+        self._selected: list[tuple[str, Tensor, torch.optim.Optimizer, dict]] = []
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ set-up
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.total_steps = self._total_steps(trainer)
+        self.target_steps = self.resolve_steps(self.total_steps)
+        self._selected = self._select(trainer, pl_module)
+        self._last_step = trainer.global_step
+        log_dir = trainer.log_dir  # a broadcast: every rank must ask
+        self.csv_path = Path(log_dir or trainer.default_root_dir) / self.csv_name
+        if trainer.is_global_zero:
+            self._prepare_csv(trainer.global_step)
+
+    def resolve_steps(self, total_steps: int) -> frozenset[int]:
+        """The optimizer steps that measure: ``steps``, or for each fraction ``f`` the first step
+        ``s ≥ f·total_steps`` (1%, 10%, 50%, 100% of 1000 steps: 10, 100, 500, 1000)."""
+        if self.steps is not None:
+            return frozenset(self.steps)
+        return frozenset(max(1, math.ceil(f * total_steps - 1e-9)) for f in self.fractions)
+
+    @staticmethod
+    def _total_steps(trainer: pl.Trainer) -> int:
+        if trainer.max_steps and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        total = trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                "SpectralMonitor: the length of training is unknown (no max_steps, infinite "
+                "max_epochs); set trainer.max_steps or pass explicit steps=[...]"
+            )
+        return int(total)
+
+    def _select(self, trainer, pl_module) -> list[tuple[str, Tensor, torch.optim.Optimizer, dict]]:
+        owner = {}
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    owner[p] = (opt, group)
+        selected, skipped, names = [], [], []
+        for name, module in pl_module.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, Tensor) or weight.ndim < 2:
+                continue
+            names.append(name)
+            if not any(fnmatch.fnmatchcase(name, pat) for pat in self.modules):
+                continue
+            opt, group = owner.get(weight, (None, None))
+            if not _ema_muon_group(opt, group):
+                skipped.append(name)
+                continue
+            selected.append((name, weight, opt, group))
+        if not selected:
+            hint = f"; matching weights outside Muon groups: {skipped[:8]}" if skipped else ""
+            raise ValueError(
+                f"SpectralMonitor.modules: {list(self.modules)} selects no matrix weight in a Muon "
+                f"param group{hint}; module names with a ≥2-D weight include {names[:12]}"
+            )
+        return selected
+
+    def _prepare_csv(self, global_step: int) -> None:
+        """Keep rows up to the step we resume from (a restart re-measures later steps)."""
+        assert self.csv_path is not None
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        rows = []
+        if self.csv_path.exists():
+            with self.csv_path.open(newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= global_step]
+        tmp = self.csv_path.with_suffix(".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._fields(), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.csv_path)  # atomic: a kill never loses the rows kept
+
+    def _fields(self) -> list[str]:
+        k_max = max(self._ns_steps(g) for _, _, _, g in self._selected)
+        return ["step", "fraction", "module", "m", "n", "mode", *METRICS,
+                *(f"rel_error_{k}" for k in range(k_max + 1))]
+
+    def _ns_steps(self, group: dict) -> int:
+        return self.ns_steps if self.ns_steps is not None else int(group.get("ns_steps", 5))
+
+    # ------------------------------------------------------------------ measuring
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # gradient accumulation: no optimizer step this batch
+            return
+        self._last_step = step
+        if step in self.target_steps:
+            self.measure(trainer, step)
+
+    @torch.no_grad()
+    def measure(self, trainer: pl.Trainer, step: int) -> list[dict]:
+        """Measure every selected weight now; return the rows written (empty off rank 0)."""
+        rows, curves = [], defaultdict(list)
+        for name, p, opt, group in self._selected:
+            grad = _full(p.grad)
+            buffer = _full(opt.state.get(p, {}).get("momentum_buffer"))
+            if not trainer.is_global_zero or grad is None or buffer is None:
+                continue
+            m_tilde = pre_ns_momentum(grad, buffer, group["momentum"], group.get("nesterov", False))
+            K = self._ns_steps(group)
+            coefficients = self.ns_coefficients or group.get("ns_coefficients", "quintic")
+            results = error_decomposition(
+                m_tilde, self.modes, K, coefficients, self.ns_dtype, self.eps, self.rtol
+            )
+            for mode, d in results.items():
+                rows.append(self._row(step, name, m_tilde.shape, d))
+                curves[mode].append(list(d.relative_curve))
+        if rows:
+            self._write(trainer, step, rows, curves)
+        return rows
+
+    def _row(self, step: int, name: str, shape, d: ModeDiagnostics) -> dict:
+        row = {
+            "step": step, "fraction": round(step / self.total_steps, 6), "module": name,
+            "m": shape[0], "n": shape[1], "mode": d.mode, "rank": d.rank,
+            "stable_rank": d.stable_rank, "condition_number": d.condition_number,
+            "entropy": d.entropy, "ns_error": d.finite_step_error,
+            "ns_rel_error": d.relative_error, "bias": d.bias, "total_error": d.total_error,
+        }
+        row.update({f"rel_error_{k}": e for k, e in enumerate(d.relative_curve)})
+        return row
+
+    def _write(self, trainer: pl.Trainer, step: int, rows: list[dict], curves: dict) -> None:
+        with self.csv_path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self._fields(), extrasaction="ignore").writerows(rows)
+        writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not writers:
+            return
+        for writer in writers:
+            for r in rows:
+                for metric in METRICS:
+                    writer.add_scalar(f"spectra/{r['module']}/{r['mode']}/{metric}", r[metric],
+                                      step)
+        if self.log_figures and len({len(c) for cs in curves.values() for c in cs}) == 1:
+            from muoneq.diagnostics.figures import training_curves
+
+            fig = training_curves(
+                dict(curves), f"NS error of the pre-NS momentum, step {step} "
+                f"({100 * step / self.total_steps:.0f}% of training, {len(self._selected)} modules)"
+            )
+            for writer in writers:
+                writer.add_figure("spectra/ns_error_curves", fig, step)

@@ -1,0 +1,93 @@
+"""Write every artifact a study's ``report:`` section asks for into ``<study>/report/``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
+from muoneq.report.records import StudyData
+from muoneq.report.tables import Table, build_table, to_latex, to_markdown
+from muoneq.sweeps.spec import SweepError, TableSpec
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    markdown: str  #: everything as one Markdown document (also written to report.md)
+    tables: list[Table] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool = True) -> Report:
+    """Tables (Markdown + LaTeX), heatmaps + robustness, line plots and learning curves.
+
+    With ``tensorboard``, figures and tables also go to ``<out_dir>/tensorboard`` as images
+    and text. Without a ``report:`` section, one table of the objective at each setting's
+    best learning rate (if there is an ``optimizer.lr`` axis) is written.
+    """
+    if not data.runs:
+        raise SweepError(f"study {data.spec.study!r} has no finished run yet")
+    out_dir = Path(out_dir or data.study_dir / "report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out_dir / "tensorboard"))
+    spec, axes = data.spec, data.axes
+    rep = spec.report
+    tables = rep.tables or ([] if rep.heatmaps or rep.lines else [
+        TableSpec(name="table", select=[a for a in ("optimizer.lr",) if a in axes])])
+    report = Report(out_dir, "")
+    parts = [f"# {spec.study}\n", f"{spec.description}\n" if spec.description else "",
+             f"{len(data.runs)} finished runs; objective {data.objective} "
+             f"({data.direction}).\n"]
+    if data.duplicates:
+        parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
+    points = [p.as_dict() for p in spec.points()] if spec.is_grid else [
+        {a: r.get(a) for a in axes} for r in data.runs]
+    for tspec in tables:
+        table = build_table(data.runs, tspec, axes, data.objective, data.direction, points)
+        md, tex = to_markdown(table), to_latex(table)
+        for suffix, text in (("md", md), ("tex", tex)):
+            path = out_dir / f"table_{tspec.name}.{suffix}"
+            path.write_text(text)
+            report.files.append(path)
+        if writer is not None:
+            writer.add_text(f"table/{tspec.name}", md)
+        report.tables.append(table)
+        parts.append(f"\n## Table: {tspec.name}\n\n{md}")
+    for hspec in rep.heatmaps:
+        metric = hspec.metric or data.objective
+        direction = data.direction if metric == data.objective else "minimize"
+        panels = heatmaps(data.runs, hspec, axes, metric, direction, out_dir, writer)
+        report.files += [p.path for p in panels]
+        if panels:
+            md = robustness_markdown(panels, hspec, metric)
+            (out_dir / "robustness.md").write_text(md)
+            report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
+            parts.append(f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}")
+            parts += [f"\n![{p.title}]({p.path.name})" for p in panels]
+            parts.append("\n")
+    for lspec in rep.lines:
+        _, path = line_plot(data.runs, lspec, axes, data.objective, data.direction, out_dir,
+                            writer)
+        report.files.append(path)
+        parts.append(f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n")
+    if rep.curves is not None:
+        curves = learning_curves(data.runs, rep.curves, axes, data.objective, data.direction,
+                                 out_dir, writer)
+        for tag in rep.curves.tags:
+            if tag not in curves:
+                parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
+                continue
+            path = curves[tag][0]
+            report.files.append(path)
+            parts.append(f"\n![{path.stem}]({path.name})\n")
+    if writer is not None:
+        writer.close()
+    report.markdown = "".join(parts)
+    (out_dir / "report.md").write_text(report.markdown)
+    report.files.append(out_dir / "report.md")
+    return report

@@ -1,0 +1,40 @@
+"""``muoneq report <sweep file or study folder>``: tables, heatmaps and plots of a study."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from muoneq.report.build import write_report
+from muoneq.report.records import load_study_data
+from muoneq.sweeps.spec import SweepError
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="muoneq report",
+        description="Write the tables (Markdown, LaTeX), heatmaps, robustness, sweep plots and "
+                    "learning curves of a study to <study>/report/ and TensorBoard.",
+    )
+    p.add_argument("target", type=Path,
+                   help="a sweep file (sweeps/x.yaml: its report section is used) or a study "
+                        "folder (runs/x)")
+    p.add_argument("--storage", default=None, help="the study's storage, if not the default "
+                   "journal file (e.g. postgresql://user@host/db)")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                   help="where studies live when TARGET is a sweep file (default ./runs)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default "
+                   "<study>/report)")
+    p.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard images")
+    args = p.parse_args(argv)
+    try:
+        data = load_study_data(args.target, storage=args.storage, runs_dir=args.runs_dir)
+        report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
+    except SweepError as err:
+        print(f"muoneq report: {err}", file=sys.stderr)
+        return 2
+    print(report.markdown)
+    print(f"\nwritten to {report.out_dir}/ ({len(report.files)} files); "
+          f"TensorBoard: tensorboard --logdir {data.study_dir}")
+    return 0

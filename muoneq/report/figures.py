@@ -1,0 +1,249 @@
+"""Figures of a study: heatmaps and robustness, K / learning-rate sweeps, learning curves.
+
+Each figure is saved as a PNG (and its numbers as CSV) and, when a TensorBoard writer is
+given, logged as an image. Matplotlib's object API is used (no pyplot state, no display).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from muoneq.report.tables import axis_name, best_of, better, cells, describe
+from muoneq.sweeps.events import ScalarReader
+from muoneq.sweeps.spec import CurveSpec, HeatmapSpec, LineSpec, format_value
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_") or "all"
+
+
+def _tick(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _sorted_values(values) -> list:
+    values = list(dict.fromkeys(values))
+    try:
+        return sorted(values)
+    except TypeError:
+        return values
+
+
+def _save(fig: Figure, path: Path, writer, tag: str) -> Path:
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    if writer is not None:
+        writer.add_figure(tag, fig, close=False)
+    return path
+
+
+# ----------------------------------------------------------------------------------- heatmaps
+@dataclass
+class HeatmapPanel:
+    title: str
+    values: dict[str, Any]  #: the panel's axes (optimizer, K, …)
+    x: list[Any]
+    y: list[Any]
+    grid: np.ndarray  #: mean over seeds, shape (len(y), len(x)); NaN where missing/diverged
+    path: Path
+    figure: Figure
+    robustness: float | None = None  #: fraction of cells within x% of the reference best
+
+
+def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: str,
+             direction: str, out_dir: Path, writer=None) -> list[HeatmapPanel]:
+    """One annotated heatmap of ``metric`` over ``x × y`` per value of the other axes, on one
+    shared color scale, plus the robustness number of each panel: the fraction of its grid
+    within ``robustness_pct`` % of the best cell of all panels (the paper's "broader
+    low-perplexity region" as a number; missing or diverged cells count as outside)."""
+    panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
+    stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
+             if c.values[spec.x] is not None and c.values[spec.y] is not None}  # e.g. AdamW
+    xs = _sorted_values(c.values[spec.x] for c in stats.values())
+    ys = _sorted_values(c.values[spec.y] for c in stats.values())
+    panels: dict[tuple, np.ndarray] = {}
+    for key, c in stats.items():
+        grid = panels.setdefault(key[:len(panel_axes)], np.full((len(ys), len(xs)), np.nan))
+        grid[ys.index(c.values[spec.y]), xs.index(c.values[spec.x])] = (
+            np.nan if c.mean is None else c.mean)
+    finite = [v for g in panels.values() for v in g[np.isfinite(g)]]
+    if not finite:
+        return []
+    vmin, vmax = min(finite), max(finite)
+    best = min(finite) if direction == "minimize" else max(finite)
+    tol = spec.robustness_pct / 100 * abs(best)
+    cmap = "viridis_r" if direction == "minimize" else "viridis"
+    out = []
+    for key, grid in panels.items():
+        values = dict(zip(panel_axes, key, strict=True))
+        title = describe(values)
+        fig = Figure(figsize=(1.1 * len(xs) + 2.2, 0.8 * len(ys) + 1.6))
+        ax = fig.add_subplot()
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=vmin, vmax=vmax,
+                          origin="lower", aspect="auto")
+        ax.set_xticks(range(len(xs)), [_tick(v) for v in xs])
+        ax.set_yticks(range(len(ys)), [_tick(v) for v in ys])
+        ax.set_xlabel(axis_name(spec.x))
+        ax.set_ylabel(axis_name(spec.y))
+        ax.set_title(title)
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isfinite(v):
+                ax.text(j, i, "×", ha="center", va="center", fontsize=8, color="gray")
+                continue
+            t = (v - vmin) / max(vmax - vmin, 1e-12)
+            light = t < 0.5 if direction == "minimize" else t > 0.5  # viridis is light at top
+            ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8,
+                    color="black" if light else "white")
+        fig.colorbar(image, ax=ax, label=metric)
+        with np.errstate(invalid="ignore"):
+            within = grid <= best + tol if direction == "minimize" else grid >= best - tol
+        robust = float((within & np.isfinite(grid)).sum()) / grid.size
+        name = slug(title)
+        path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
+        _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
+        out.append(HeatmapPanel(title, values, xs, ys, grid, path, fig, robust))
+    _robustness_figure(out, spec, metric, best, out_dir, writer)
+    return out
+
+
+def _write_grid_csv(path: Path, spec: HeatmapSpec, xs, ys, grid) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow([f"{axis_name(spec.y)} \\ {axis_name(spec.x)}", *map(_tick, xs)])
+        for y, row in zip(ys, grid, strict=True):
+            w.writerow([_tick(y), *("" if not np.isfinite(v) else repr(float(v)) for v in row)])
+
+
+def robustness_markdown(panels: Sequence[HeatmapPanel], spec: HeatmapSpec, metric: str) -> str:
+    lines = [f"| panel | cells within {spec.robustness_pct:g}% of the best {metric} |",
+             "|:--|--:|"]
+    lines += [f"| {p.title} | {p.robustness:.0%} ({round(p.robustness * p.grid.size)}/"
+              f"{p.grid.size}) |" for p in panels]
+    return "\n".join(lines) + "\n"
+
+
+def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
+    fig = Figure(figsize=(1.2 * len(panels) + 2.5, 3.2))
+    ax = fig.add_subplot()
+    ax.bar(range(len(panels)), [p.robustness for p in panels], color="tab:blue")
+    ax.set_xticks(range(len(panels)), [p.title for p in panels], rotation=20, ha="right")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"fraction within {spec.robustness_pct:g}%")
+    ax.set_title(f"robustness: {axis_name(spec.x)} × {axis_name(spec.y)} cells within "
+                 f"{spec.robustness_pct:g}% of the best {metric} ({best:.4g})")
+    _save(fig, out_dir / "robustness.png", writer, "robustness")
+
+
+# -------------------------------------------------------------------------- K / lr sweep lines
+@dataclass
+class LineSeries:
+    label: str
+    x: list[Any]
+    mean: dict[str, list[float]]  #: metric → mean per x (NaN where missing)
+    std: dict[str, list[float]]
+
+
+def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: str,
+              direction: str, out_dir: Path, writer=None) -> tuple[list[LineSeries], Path]:
+    """Metrics against ``spec.x`` (e.g. validation perplexity and step time against K, or
+    against the learning rate), one line per setting of the remaining axes; at each x the
+    ``select`` axes are set to their best value for the first metric."""
+    metrics = spec.metrics or [objective]
+    first_dir = direction if metrics[0] == objective else "minimize"
+    series_axes = [a for a in axes if a != spec.x and a not in spec.select]
+    by = [*series_axes, spec.x, *spec.select]
+    stats = {m: cells(runs, by, m) for m in metrics}
+    xs = _sorted_values(c.values[spec.x] for c in stats[metrics[0]].values())
+    groups: dict[tuple, dict[Any, list]] = {}
+    for key, c in stats[metrics[0]].items():
+        groups.setdefault(key[:len(series_axes)], {}).setdefault(c.values[spec.x], []).append(c)
+    series = []
+    for skey, by_x in groups.items():
+        mean = {m: [] for m in metrics}
+        std = {m: [] for m in metrics}
+        for x in xs:
+            chosen = best_of(by_x.get(x, []), first_dir)
+            for m in metrics:
+                c = stats[m].get(tuple(chosen.values[a] for a in by)) if chosen else None
+                mean[m].append(math.nan if c is None or c.mean is None else c.mean)
+                std[m].append(math.nan if c is None or c.std is None else c.std)
+        series.append(LineSeries(describe(dict(zip(series_axes, skey, strict=True))), xs,
+                                 mean, std))
+    fig = Figure(figsize=(4.2 * len(metrics), 3.4))
+    numeric = all(isinstance(x, int | float) for x in xs)
+    for i, m in enumerate(metrics):
+        ax = fig.add_subplot(1, len(metrics), i + 1)
+        for s in series:
+            pos = xs if numeric else list(range(len(xs)))
+            mu, sd = np.array(s.mean[m]), np.nan_to_num(np.array(s.std[m]))
+            ax.plot(pos, mu, marker="o", label=s.label)
+            ax.fill_between(pos, mu - sd, mu + sd, alpha=0.2)
+        if spec.logx and numeric:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(xs)), [_tick(x) for x in xs])
+        ax.set_xlabel(axis_name(spec.x))
+        ax.set_ylabel(m)
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=8)
+    path = _save(fig, out_dir / f"{spec.name}.png", writer, f"lines/{spec.name}")
+    with (out_dir / f"{spec.name}.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["series", axis_name(spec.x), *(f"{m}_{k}" for m in metrics
+                                                   for k in ("mean", "std"))])
+        for s in series:
+            for j, x in enumerate(xs):
+                w.writerow([s.label, _tick(x), *(v for m in metrics
+                                                  for v in (s.mean[m][j], s.std[m][j]))])
+    return series, path
+
+
+# ------------------------------------------------------------------------------ learning curves
+def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], objective: str,
+                    direction: str, out_dir: Path, writer=None
+                    ) -> dict[str, tuple[Path, dict[str, tuple[list[int], list[float]]]]]:
+    """Each row (the axes other than ``select``) at its best setting: the mean over seeds of
+    each TensorBoard tag against the global step (steps every seed logged), read from the
+    trials' event files. Returns ``{tag: (png, {row label: (steps, means)})}``."""
+    rows = [a for a in axes if a not in spec.select]
+    stats = cells(runs, [*rows, *spec.select], objective)
+    chosen: dict[tuple, Any] = {}
+    for key, c in stats.items():
+        current = chosen.get(key[:len(rows)])
+        if c.mean is not None and (current is None or better(c.mean, current.mean, direction)):
+            chosen[key[:len(rows)]] = c
+    out = {}
+    for tag in spec.tags:
+        fig = Figure(figsize=(5.5, 3.6))
+        ax = fig.add_subplot()
+        plotted = {}
+        for key, c in chosen.items():
+            curves = [ScalarReader(d).scalars(tag) for d in c.run_dirs]
+            curves = [cv for cv in curves if cv]
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(cv) for cv in curves)))
+            mean = [statistics.fmean(cv[s] for cv in curves) for s in steps]
+            sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
+                            if c.values[a] is not None)
+            label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
+            ax.plot(steps, mean, label=label)
+            plotted[label] = (steps, mean)
+        if not plotted:
+            continue
+        ax.set_xlabel("global step")
+        ax.set_ylabel(tag)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = _save(fig, out_dir / f"curve_{slug(tag)}.png", writer, f"curves/{slug(tag)}")
+        out[tag] = (path, plotted)
+    return out

@@ -1,0 +1,50 @@
+"""The training runtime: typed configs composed from ``conf/``, the Lightning trainer factory,
+the base classes every workload derives from, and the ``muoneq train`` command.
+
+A workload (a *task*) needs only a network, a data module and a config dataclass::
+
+    from muoneq.runtime import TaskDataModule, TaskModule, TaskSpec, register_task
+
+    @dataclass
+    class MyTaskConfig:
+        name: str = "my_task"
+        ...
+
+    class MyModule(TaskModule):        # builds its optimizer from the optimizer config
+        monitor, monitor_mode = "val/loss", "min"
+        def training_step(self, batch, batch_idx): ...
+
+    register_task("my_task", TaskSpec(MyTaskConfig, build=lambda cfg: (MyModule(...), MyData(...))))
+
+and is run with ``muoneq train task=my_task optimizer=muoneq_nes trainer.max_steps=1000``.
+"""
+
+from muoneq.runtime.config import ConfigError, RunConfig, compose, conf_dir
+from muoneq.runtime.data import ResumableSampler, TaskDataModule
+from muoneq.runtime.module import TaskModule
+from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
+from muoneq.runtime.run import RunFolderError, train
+from muoneq.runtime.schedule import build_scheduler, lr_factor
+from muoneq.runtime.tasks import TASKS, TaskSpec, get_task, register_task
+from muoneq.runtime.trainer import build_trainer
+
+__all__ = [
+    "TASKS",
+    "ConfigError",
+    "ResumableSampler",
+    "RunConfig",
+    "RunFolderError",
+    "TaskDataModule",
+    "TaskModule",
+    "TaskSpec",
+    "build_optimizer_from_config",
+    "build_scheduler",
+    "build_trainer",
+    "compose",
+    "conf_dir",
+    "get_task",
+    "lr_factor",
+    "optimizer_schema",
+    "register_task",
+    "train",
+]

@@ -1,0 +1,154 @@
+"""Callbacks of every run: step time and peak memory (:class:`StepStats`) and plain log lines
+for logs that are not a terminal (:class:`LogLines`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+from muoneq.runtime.accelerators import peak_memory, reset_peak_memory, synchronize
+
+
+class StepStats(L.Callback):
+    """Time of every optimizer step and the peak memory, logged as ``perf/step_time_s`` and
+    ``perf/peak_memory_gb``.
+
+    A step is timed from the start of its first micro-batch to the end of its last one, with the
+    device synchronized at both ends (data loading of the first micro-batch and validation are
+    outside). The first step of every session (warm-up, cudnn autotuning, compilation) is not
+    counted. Totals are kept in checkpoints, so a resumed run reports figures for all of its
+    training, not just the last session.
+    """
+
+    def __init__(self) -> None:
+        self.step_times: list[float] = []  # this session's counted steps
+        self.previous = {"steps": 0, "seconds": 0.0, "train_seconds": 0.0}
+        self._step_start: float | None = None
+        self._step_at_start = 0
+        self._session_first_step: int | None = None
+        self._train_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ timing
+    def on_train_start(self, trainer, pl_module) -> None:
+        reset_peak_memory(pl_module.device)
+        self._train_start = time.perf_counter()
+        self._session_first_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._step_start is None:  # first micro-batch of an optimizer step
+            synchronize(pl_module.device)
+            self._step_start = time.perf_counter()
+            self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._step_start is None or trainer.global_step == self._step_at_start:
+            return  # more micro-batches to accumulate before the optimizer steps
+        synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._step_start
+        self._step_start = None
+        if self._step_at_start > self._session_first_step:
+            self.step_times.append(elapsed)
+        peak, _ = peak_memory(pl_module.device)
+        pl_module.log_dict(
+            {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
+            on_step=True, on_epoch=False, rank_zero_only=True,
+        )
+
+    # ------------------------------------------------------------------ results
+    def summary(self, device) -> dict:
+        """Mean and median step time, peak memory and training wall-clock of the whole run."""
+        steps = self.previous["steps"] + len(self.step_times)
+        seconds = self.previous["seconds"] + sum(self.step_times)
+        peak, kind = peak_memory(device)
+        return {
+            "step_time_s": seconds / steps if steps else math.nan,
+            "step_time_median_s": (
+                statistics.median(self.step_times) if self.step_times else math.nan
+            ),
+            "timed_steps": steps,
+            "peak_memory_gb": peak / 2**30,
+            "peak_memory_kind": kind,
+            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+        }
+
+    def _train_seconds(self) -> float:
+        return time.perf_counter() - self._train_start
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": self.previous["steps"] + len(self.step_times),
+            "seconds": self.previous["seconds"] + sum(self.step_times),
+            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.previous = dict(state_dict)
+
+
+class LastValidation(L.Callback):
+    """The optimizer step of the last validation (kept in checkpoints), so that a run whose
+    budget ends between validations is validated once more on its final weights."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.step = trainer.global_step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
+
+
+class LogLines(L.Callback):
+    """One plain line every ``log_every_n_steps`` steps and after every validation (rank 0),
+    for logs written to files (SLURM, nohup), where a progress bar is unreadable."""
+
+    def __init__(self, every_n_steps: int) -> None:
+        self.every_n_steps = every_n_steps
+        self._last_time = time.perf_counter()
+        self._last_step = 0
+
+    @staticmethod
+    def _format(metrics: dict, prefix: str) -> str:
+        parts = []
+        for key in sorted(metrics):
+            if key.startswith(prefix):
+                value = float(metrics[key])
+                parts.append(f"{key} {value:.4g}")
+        return "  ".join(parts)
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step % self.every_n_steps:
+            return
+        now = time.perf_counter()
+        rate = (now - self._last_time) / max(1, step - self._last_step)
+        self._last_time, self._last_step = now, step
+        total = trainer.estimated_stepping_batches
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else math.nan
+        metrics = self._format(trainer.callback_metrics, "train/")
+        print(
+            f"epoch {trainer.current_epoch}  step {step}/{total}  {metrics}  lr {lr:.3g}  "
+            f"{rate:.3f} s/step",
+            flush=True,
+        )
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = self._format(trainer.callback_metrics, "val/")
+        print(f"epoch {trainer.current_epoch}  step {trainer.global_step}  {metrics}", flush=True)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = trainer.global_step
+        self._last_time = time.perf_counter()

@@ -1,0 +1,353 @@
+"""Typed run configs composed from ``conf/`` and command-line overrides.
+
+A run config has five sections (see :class:`RunConfig`): ``task`` (typed by the task's own
+dataclass), ``optimizer`` (typed by :func:`~muoneq.runtime.optim.optimizer_schema`),
+``schedule``, ``trainer`` and ``run``, plus ``seed`` and ``resume``. :func:`compose` builds it
+from the command line, as in lightning-hydra-template::
+
+    experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 trainer.devices=4 seed=1
+
+``<group>=<file>`` (``experiment``, ``task``, ``optimizer``, ``trainer``) selects
+``conf/<group>/<file>.yaml`` (or a path to a ``.yaml`` file); every other ``key=value`` is an
+OmegaConf dotlist override. Precedence, lowest first: the dataclass defaults, the trainer, task
+and optimizer files, the experiment file, the experiment's entry for the chosen optimizer
+(``optimizers: {<optimizer>: {...}}``), the command line. An experiment chooses its default
+groups with ``defaults: {task: ..., optimizer: ..., trainer: ...}``.
+
+Unknown keys, wrong types and invalid values raise :class:`ConfigError` naming the key, the
+file it came from and the allowed keys or values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from muoneq.runtime.optim import check_optimizer_config, optimizer_schema
+from muoneq.runtime.schedule import ScheduleName
+from muoneq.runtime.tasks import get_task
+
+GROUPS = ("experiment", "task", "optimizer", "trainer")
+DEFAULT_CHOICES = {
+    "experiment": None, "task": None, "optimizer": "muoneq_nes", "trainer": "default",
+}
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the allowed keys/values."""
+
+
+class AcceleratorName(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    gpu = "gpu"
+    npu = "npu"
+    mps = "mps"
+
+
+class StrategyName(Enum):
+    auto = "auto"
+    single = "single"
+    ddp = "ddp"
+    fsdp2 = "fsdp2"
+
+
+class ProgressMode(Enum):
+    auto = "auto"  # a bar on a terminal, plain log lines otherwise
+    bar = "bar"
+    log = "log"
+    quiet = "quiet"
+
+
+class Resume(Enum):
+    never = "never"  # refuse a run folder that already holds checkpoints or metrics
+    auto = "auto"  # continue from the newest complete checkpoint of the run folder, if any
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule by optimizer step (see :mod:`muoneq.runtime.schedule`)."""
+
+    name: ScheduleName = ScheduleName.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    #: Steps of the whole schedule; ``None``: the trainer's budget (max_steps or max_epochs).
+    total_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"schedule.warmup_steps: must be ≥ 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"schedule.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"schedule.total_steps: must be ≥ 1 or null, got {self.total_steps}")
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings (see :func:`muoneq.runtime.build_trainer`)."""
+
+    accelerator: AcceleratorName = AcceleratorName.auto
+    devices: int | str = "auto"
+    num_nodes: int = 1
+    strategy: StrategyName = StrategyName.auto
+    precision: str = "32-true"
+    max_epochs: int | None = None
+    max_steps: int = -1
+    limit_train_batches: int | float | None = None
+    limit_val_batches: int | float | None = None
+    limit_test_batches: int | float | None = None
+    val_check_interval: int | float | None = None
+    check_val_every_n_epoch: int | None = 1
+    num_sanity_val_steps: int = 0
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    log_every_n_steps: int = 50
+    deterministic: bool = False
+    benchmark: bool | None = None
+    #: ``torch.compile`` the network (the optimizer step stays eager).
+    compile: bool = False
+    #: Save ``last`` every N optimizer steps; ``None``: at the end of every epoch.
+    checkpoint_every_n_steps: int | None = None
+    progress: ProgressMode = ProgressMode.auto
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"trainer.precision: unknown {self.precision!r}; allowed: {', '.join(PRECISIONS)}"
+            )
+        if isinstance(self.devices, str) and self.devices != "auto" and not re.fullmatch(
+            r"\d+(,\d+)*,?|-1", self.devices
+        ):
+            raise ValueError(
+                f"trainer.devices: {self.devices!r}; allowed: a count, 'auto', -1 or indices "
+                "such as '0,2'"
+            )
+        for key in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key}: must be ≥ 1, got {getattr(self, key)}")
+        if self.checkpoint_every_n_steps is not None and self.checkpoint_every_n_steps < 1:
+            raise ValueError(
+                f"trainer.checkpoint_every_n_steps: must be ≥ 1 or null, "
+                f"got {self.checkpoint_every_n_steps}"
+            )
+
+
+@dataclass
+class RunSection:
+    #: Run name; default ``<experiment or task>-<optimizer>-seed<seed>[-<overrides>]``.
+    name: str | None = None
+    #: Run folder; default ``<root>/<name>``.
+    dir: str | None = None
+    root: str = "runs"
+
+
+@dataclass
+class RunConfig:
+    """The whole config of one run. ``task`` and ``optimizer`` are typed at composition time."""
+
+    seed: int = 0
+    resume: Resume = Resume.never
+    run: RunSection = field(default_factory=RunSection)
+    task: Any = None
+    optimizer: Any = None
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# --------------------------------------------------------------------------- locating files
+def conf_dir() -> Path:
+    """``$MUONEQ_CONF_DIR`` if set, else the ``conf/`` folder of this checkout."""
+    if env := os.environ.get("MUONEQ_CONF_DIR"):
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+def group_file(group: str, choice: str, root: Path) -> Path:
+    """``conf/<group>/<choice>.yaml``, or ``choice`` itself when it is a path to a YAML file."""
+    if choice.endswith((".yaml", ".yml")):
+        path = Path(choice)
+    else:
+        path = root / group / f"{choice}.yaml"
+    if not root.is_dir():
+        raise ConfigError(
+            f"config folder {root} does not exist: run from a checkout of the repository or set "
+            "MUONEQ_CONF_DIR to its conf/ folder"
+        )
+    if not path.is_file():
+        known = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        hint = difflib.get_close_matches(choice, known, n=1)
+        raise ConfigError(
+            f"{group}={choice}: no such file {path}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f"; available: {', '.join(known) or '(none)'}"
+        )
+    return path
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml syntax errors come in several types
+        raise ConfigError(f"{path}: cannot parse YAML: {err}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return loaded
+
+
+# --------------------------------------------------------------------------- errors
+def _allowed_keys(schema: DictConfig, full_key: str) -> list[str]:
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    node = OmegaConf.select(schema, parent) if parent else schema
+    return sorted(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _config_error(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    message = f"{source}: {key}: {first}"
+    if "not in" in first or "Missing key" in first:
+        allowed = _allowed_keys(schema, key)
+        if allowed:
+            message += f"; allowed keys: {', '.join(allowed)}"
+    return ConfigError(message)
+
+
+def _merge(cfg: DictConfig, update: dict | DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, update)
+    except OmegaConfBaseException as err:
+        raise _config_error(err, cfg, source) from None
+
+
+# --------------------------------------------------------------------------- composition
+def split_args(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Group selections (``optimizer=muoneq_nes``) and dotlist overrides (everything else)."""
+    choices, overrides = {}, []
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(
+                f"argument {arg!r}: expected key=value (a group such as optimizer=muoneq_nes, or "
+                "an override such as optimizer.lr=0.05)"
+            )
+        key, value = arg.split("=", 1)
+        if key in GROUPS:
+            choices[key] = value
+        else:
+            overrides.append(arg)
+    return choices, overrides
+
+
+def _default_run_name(choices: dict, seed: int, overrides: list[str]) -> str:
+    base = Path(choices["experiment"] or choices["task"]).stem
+    name = f"{base}-{Path(choices['optimizer']).stem}-seed{seed}"
+    extra = [o for o in overrides if not o.startswith(("seed=", "run.", "resume="))]
+    if extra:  # Hydra's override_dirname: runs that differ by an override get their own folder
+        name += "-" + ",".join(sorted(extra)).replace("/", "_")
+    return name[:200]
+
+
+def compose(args: Sequence[str] = (), root: Path | None = None) -> DictConfig:
+    """Compose, type-check and validate the run config described by ``args``."""
+    root = Path(root) if root is not None else conf_dir()
+    choices, overrides = split_args(args)
+    chosen = dict(DEFAULT_CHOICES)
+    experiment = None
+    per_optimizer: dict = {}
+    if choices.get("experiment"):
+        path = group_file("experiment", choices["experiment"], root)
+        experiment = _load_yaml(path)
+        defaults = OmegaConf.to_container(experiment.pop("defaults", None) or OmegaConf.create())
+        for group in defaults:
+            if group not in GROUPS[1:]:
+                raise ConfigError(
+                    f"{path}: defaults.{group}: unknown group; allowed: {', '.join(GROUPS[1:])}"
+                )
+        chosen.update(defaults)
+        per_optimizer = OmegaConf.to_container(
+            experiment.pop("optimizers", None) or OmegaConf.create()
+        )
+    chosen.update(choices)
+    if not chosen["task"]:
+        raise ConfigError(
+            "no task chosen: pass task=<name> or experiment=<name>; experiments: "
+            + ", ".join(sorted(p.stem for p in (root / "experiment").glob("*.yaml")))
+        )
+
+    files = {g: group_file(g, chosen[g], root) for g in ("task", "optimizer", "trainer")}
+    task_yaml, optimizer_yaml, trainer_yaml = (_load_yaml(files[g]) for g in files)
+    task_name = task_yaml.get("name", files["task"].stem)
+    optimizer_name = optimizer_yaml.get("name", files["optimizer"].stem)
+    try:
+        task_schema = get_task(task_name).config
+        opt_schema = optimizer_schema(optimizer_name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.task = OmegaConf.structured(task_schema)
+    cfg.optimizer = OmegaConf.structured(opt_schema)
+    cfg = _merge(cfg, {"trainer": trainer_yaml}, str(files["trainer"]))
+    cfg = _merge(cfg, {"task": task_yaml}, str(files["task"]))
+    cfg = _merge(cfg, {"optimizer": optimizer_yaml}, str(files["optimizer"]))
+    if experiment is not None:
+        source = str(group_file("experiment", chosen["experiment"], root))
+        cfg = _merge(cfg, experiment, source)
+        opt_choice = Path(chosen["optimizer"]).stem
+        if opt_choice in per_optimizer:
+            cfg = _merge(
+                cfg, {"optimizer": per_optimizer[opt_choice]}, f"{source} optimizers.{opt_choice}"
+            )
+        elif per_optimizer:
+            print(
+                f"muoneq: note: experiment {chosen['experiment']} pins no hyper-parameters for "
+                f"optimizer {opt_choice} (it pins: {', '.join(per_optimizer)}); using "
+                f"{files['optimizer']} as it is"
+            )
+    try:
+        dotlist = OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"command line: {err}") from None
+    for key in ("task.name", "optimizer.name"):
+        if OmegaConf.select(dotlist, key) is not None:
+            group = key.split(".")[0]
+            raise ConfigError(f"{key}: choose the {group} with {group}=<file> instead")
+    cfg = _merge(cfg, dotlist, "command line")
+    if cfg.run.name is None:
+        cfg.run.name = _default_run_name(chosen, cfg.seed, overrides)
+    validate(cfg)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Value checks beyond types: the dataclasses' ``__post_init__`` and the optimizer's own."""
+    try:
+        OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError):
+            raise ConfigError(str(cause)) from None
+        raise _config_error(err, cfg, "config") from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.trainer.max_epochs is None and cfg.trainer.max_steps == -1:
+        raise ConfigError(
+            "trainer.max_epochs / trainer.max_steps: set at least one (the LR schedule needs a "
+            "budget)"
+        )
+    try:
+        check_optimizer_config(cfg.optimizer)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

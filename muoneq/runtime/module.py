@@ -1,0 +1,115 @@
+"""The LightningModule base of every workload.
+
+A task subclasses :class:`TaskModule`, passes its network, and writes ``training_step`` /
+``validation_step`` / ``test_step``. The base class supplies the rest, identically for every
+task: the single optimizer (``configure_optimizers`` from the ``optimizer`` config: name,
+hyper-parameters and routing preset), the step-wise LR schedule, FSDP2 sharding under
+``ModelParallelStrategy`` and optional ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from muoneq.runtime.optim import build_optimizer_from_config
+from muoneq.runtime.schedule import build_scheduler
+
+
+def _as_dict(cfg: DictConfig | Mapping) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return dict(cfg)
+
+
+class TaskModule(L.LightningModule):
+    """Base LightningModule: ``self.model`` is the network; the optimizer comes from config.
+
+    Args:
+        model: the network. Build it before the module (with the run's seed set) so that every
+            optimizer of a seed starts from the same weights.
+        optimizer: the run's ``optimizer`` section (``name``, hyper-parameters, ``routing``).
+        schedule: the run's ``schedule`` section (``name``, ``warmup_steps``, ``min_lr_ratio``,
+            ``total_steps``).
+        compile: wrap the network's forward in ``torch.compile``.
+
+    Class attributes a task sets:
+        monitor, monitor_mode: the metric that picks the ``best`` checkpoint and is reported as
+            ``best`` / ``final`` in ``metrics.json`` (``"max"`` or ``"min"``).
+        hparam_metrics: test metrics declared in TensorBoard's HParams view.
+    """
+
+    monitor: str = "val/loss"
+    monitor_mode: str = "min"
+    hparam_metrics: tuple[str, ...] = ()
+
+    def __init__(
+        self, model: nn.Module, *, optimizer: DictConfig | Mapping,
+        schedule: DictConfig | Mapping, compile: bool = False,
+    ):
+        super().__init__()
+        if self.monitor_mode not in ("min", "max"):
+            raise ValueError(f"monitor_mode: expected 'min' or 'max', got {self.monitor_mode!r}")
+        self.model = model
+        self.optimizer_config = _as_dict(optimizer)
+        self.schedule_config = _as_dict(schedule)
+        self.compile = compile
+        # The compiled wrapper shares the network's parameters; kept out of the module tree so
+        # that checkpoints have the same keys with and without compilation.
+        object.__setattr__(self, "_compiled", None)
+
+    def forward(self, *args, **kwargs):
+        network = self.model if self._compiled is None else self._compiled
+        return network(*args, **kwargs)
+
+    # ------------------------------------------------------------------ model set-up
+    def fsdp_units(self) -> list[nn.Module]:
+        """Sub-modules FSDP2 shards one by one (e.g. transformer blocks) before the root."""
+        return []
+
+    def configure_model(self) -> None:
+        """FSDP2 sharding under ``ModelParallelStrategy`` (``trainer.strategy=fsdp2``), then
+        ``torch.compile`` when asked. Lightning may call this more than once (fit, then test)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.device_mesh is not None and not isinstance(self.model, FSDPModule):
+            mesh = self.device_mesh["data_parallel"]
+            for unit in self.fsdp_units():
+                fully_shard(unit, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        if self.compile and self._compiled is None:
+            object.__setattr__(self, "_compiled", torch.compile(self.model))
+
+    # ------------------------------------------------------------------ optimization
+    def configure_optimizers(self):
+        """The model's single optimizer and its step-wise LR schedule."""
+        optimizer = build_optimizer_from_config(self.model, self.optimizer_config)
+        schedule = self.schedule_config
+        scheduler = build_scheduler(
+            optimizer, name=schedule["name"], warmup_steps=schedule["warmup_steps"],
+            total_steps=schedule.get("total_steps") or self._budget_steps,
+            min_lr_ratio=schedule["min_lr_ratio"],
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    def _budget_steps(self) -> int:
+        """Optimizer steps of the whole run (``max_steps``, or ``max_epochs`` × batches)."""
+        total = self.trainer.estimated_stepping_batches
+        if total == float("inf"):
+            raise ValueError(
+                "schedule.total_steps: the training data has no length; set "
+                "schedule.total_steps or trainer.max_steps"
+            )
+        return int(total)
+
+    # ------------------------------------------------------------------ reporting
+    def final_metrics(self) -> dict:
+        """Figures added to ``metrics.json`` (tasks extend this, e.g. with tokens seen)."""
+        return {"parameters": sum(p.numel() for p in self.model.parameters())}

@@ -1,0 +1,150 @@
+"""The ``optimizer`` section of a run config: a typed schema per optimizer name, and the model's
+single optimizer built from it (``muoneq.build_optimizer`` + ``muoneq.param_groups``).
+
+The schema of a name is derived from its constructor's signature in
+:data:`muoneq.registry.OPTIMIZERS`, so every registered optimizer, including ones added later,
+is configurable with exactly the keys it accepts: ``optimizer.lr``, ``optimizer.momentum``,
+``optimizer.mode``, ``optimizer.ns_steps``, ... An unknown key or a wrong type is an error that
+names the key. Orthogonalized (hybrid) optimizers also take the routing keys:
+
+* ``routing``: ``default`` — :func:`muoneq.param_groups`'s rule (embeddings, output head, first
+  conv and 0-D/1-D tensors to AdamW; the paper's LLM recipe and Keller Jordan's advice);
+  ``all_matrices`` — every tensor with ≥ 2 dims on the matrix path, only 0-D/1-D tensors on
+  AdamW (the paper's CIFAR-10 recipe, stem conv and classifier included);
+* ``adamw_names``: extra substrings of parameter names sent to AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from enum import Enum
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import nn
+
+from muoneq.registry import OPTIMIZERS, build_optimizer
+from muoneq.routing import param_groups
+
+
+class Routing(Enum):
+    default = "default"
+    all_matrices = "all_matrices"
+
+
+#: Keyword arguments of :func:`muoneq.param_groups` for each routing preset.
+ROUTING_PRESETS: dict[Routing, dict] = {
+    Routing.default: {},
+    Routing.all_matrices: {"head_names": (), "adamw_first_conv": False},
+}
+
+#: Keys of the optimizer section that are not constructor arguments.
+RUNTIME_KEYS = ("name", "routing", "adamw_names")
+
+
+def _schema_field(annotation: Any, default: Any) -> tuple[Any, dataclasses.Field]:
+    """Type and default of one constructor argument, from its default value and annotation.
+
+    Annotations may be strings (``from __future__ import annotations``) or unions with
+    ``Tensor`` (torch.optim): only the names of the basic types in them are used.
+    """
+    ann = str(annotation)
+    if default is inspect.Parameter.empty:
+        return Any, dataclasses.field(default=None)
+    if isinstance(default, torch.dtype):
+        return str, dataclasses.field(default=str(default).removeprefix("torch."))
+    if isinstance(default, bool):
+        return bool, dataclasses.field(default=default)
+    if isinstance(default, (int, float)):
+        typ = float if "float" in ann or isinstance(default, float) else int
+        return typ, dataclasses.field(default=typ(default))
+    if isinstance(default, str):
+        typ = str if ann in ("str", "<class 'str'>") else Any
+        return typ, dataclasses.field(default=default)
+    if isinstance(default, (tuple, list)):
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in default)
+        typ = list[float] if numeric else list[Any]
+        value = [float(v) for v in default] if numeric else list(default)
+        return typ, dataclasses.field(default_factory=lambda: list(value))
+    if default is None:
+        for name, typ in (("bool", bool), ("float", float), ("int", int)):
+            if name in ann:
+                return typ | None, dataclasses.field(default=None)
+        return Any, dataclasses.field(default=None)
+    return Any, dataclasses.field(default=default)
+
+
+def optimizer_schema(name: str) -> type:
+    """A dataclass with the keys optimizer ``name`` accepts, defaulting to its preset."""
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer.name: unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))}"
+        )
+    spec = OPTIMIZERS[name]
+    fields: list[tuple] = [("name", str, dataclasses.field(default=name))]
+    parameters = list(inspect.signature(spec.factory).parameters.values())[1:]  # skip params
+    seen = set()
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        typ, fld = _schema_field(p.annotation, spec.preset.get(p.name, p.default))
+        fields.append((p.name, typ, fld))
+        seen.add(p.name)
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        for key, default in getattr(spec.factory, "_extra_defaults", {}).items():
+            if key not in seen:
+                typ, fld = _schema_field(inspect.Parameter.empty, spec.preset.get(key, default))
+                fields.append((key, typ, fld))
+    if spec.hybrid:
+        fields.append(("routing", Routing, dataclasses.field(default=Routing.default)))
+        fields.append(("adamw_names", list[str], dataclasses.field(default_factory=list)))
+    return dataclasses.make_dataclass(f"OptimizerConfig_{name}", fields)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers to Python values; lists become tuples (``betas=(0.9, 0.95)``)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True, enum_to_str=False)
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def optimizer_hparams(cfg: DictConfig | dict) -> dict:
+    """The constructor keyword arguments of an optimizer section (routing keys removed)."""
+    items = cfg.items() if isinstance(cfg, dict) else ((k, cfg[k]) for k in cfg)
+    return {k: _plain(v) for k, v in items if k not in RUNTIME_KEYS}
+
+
+def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> torch.optim.Optimizer:
+    """Build the one optimizer of ``model`` described by an optimizer section.
+
+    Hybrid optimizers get :func:`muoneq.param_groups` with the section's routing preset
+    (matrix path / AdamW path); element-wise ones (``sgd``, ``adamw``) take every parameter.
+    """
+    name = cfg["name"]
+    hparams = optimizer_hparams(cfg)
+    if name in OPTIMIZERS and OPTIMIZERS[name].hybrid:
+        routing = cfg.get("routing", Routing.default)
+        routing = Routing[routing] if isinstance(routing, str) else routing
+        groups = param_groups(
+            model, adamw_names=tuple(cfg.get("adamw_names", ())), **ROUTING_PRESETS[routing]
+        )
+        return build_optimizer(name, groups, **hparams)
+    return build_optimizer(name, model, **hparams)
+
+
+def check_optimizer_config(cfg: DictConfig) -> None:
+    """Build the optimizer once on a tiny model so that a bad value fails before any data
+    is loaded. Raises ``ValueError`` with the optimizer's own message (which names the key)."""
+    probe = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    try:
+        build_optimizer_from_config(probe, cfg)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        key = message.split(":", 1)[0]
+        if key in cfg:
+            raise ValueError(f"optimizer.{message}") from None
+        raise ValueError(f"optimizer ({cfg['name']}): {message}") from None

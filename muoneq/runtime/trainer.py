@@ -1,0 +1,153 @@
+"""The Lightning ``Trainer`` of every run, built from the ``trainer`` config (task-agnostic).
+
+Accelerators: ``cpu``, ``cuda`` (alias ``gpu``), ``npu`` (Ascend, see
+:mod:`muoneq.runtime.accelerators`), ``mps``, ``auto``. Strategies:
+
+* ``single``: one device;
+* ``ddp``: ``DDPStrategy`` (NCCL on CUDA, gloo on CPU, HCCL on NPU);
+* ``fsdp2``: ``ModelParallelStrategy`` with a 1-D data-parallel mesh over all processes; the
+  module shards itself with ``fully_shard`` in ``configure_model``
+  (:class:`~muoneq.runtime.TaskModule`);
+* ``auto``: Lightning's choice (one device → single, several → DDP).
+
+Multi-node runs need nothing more than ``trainer.num_nodes``: Lightning detects torchrun
+(``TorchElasticEnvironment``), SLURM and other launchers from their environment variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from omegaconf import DictConfig
+
+from muoneq.runtime.accelerators import NPU_BACKEND, NPUAccelerator, torch_npu
+from muoneq.runtime.callbacks import LastValidation, LogLines, StepStats
+from muoneq.runtime.config import AcceleratorName, ProgressMode, StrategyName
+
+# Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("💡 Tip")
+)
+
+#: Files of a run folder.
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+LAST_PREFIX = "last-step"
+
+
+def _single_device(devices: int | str) -> bool:
+    """Whether Lightning's ``devices`` flag names exactly one device (1, "1", "0,", "3,")."""
+    if isinstance(devices, int):
+        return devices == 1
+    if "," in devices:
+        return len([d for d in devices.split(",") if d.strip()]) == 1
+    return devices.strip() == "1"
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` as pure FSDP2: one data-parallel mesh dimension over every
+    process (Lightning's ``"auto"`` sizes would make it ``num_nodes`` × tensor parallel)."""
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
+        super().setup_environment()
+
+
+def build_strategy(t: DictConfig):
+    """The strategy object (or Lightning name) for ``trainer.strategy`` on its accelerator."""
+    npu = t.accelerator is AcceleratorName.npu
+    backend = NPU_BACKEND if npu else None
+    if t.strategy is StrategyName.ddp:
+        return DDPStrategy(process_group_backend=backend)
+    if t.strategy is StrategyName.fsdp2:
+        return FSDP2Strategy(process_group_backend=backend)
+    if t.strategy is StrategyName.single:
+        if t.num_nodes != 1 or not (t.devices == "auto" or _single_device(t.devices)):
+            raise ValueError(
+                f"trainer.strategy=single runs on one device; got trainer.devices={t.devices} "
+                f"trainer.num_nodes={t.num_nodes} (use ddp or fsdp2 for several)"
+            )
+        return "auto"
+    if npu and (t.num_nodes > 1 or not _single_device(t.devices)):
+        return DDPStrategy(process_group_backend=backend)  # Lightning would pick gloo
+    return "auto"
+
+
+def build_trainer(
+    cfg: DictConfig, run_dir: Path, *, monitor: str, monitor_mode: str, callbacks=(),
+) -> L.Trainer:
+    """A ``Trainer`` writing TensorBoard logs and checkpoints under ``run_dir``.
+
+    Checkpoints (``run_dir/checkpoints``): ``last-step<N>.ckpt`` at the end of every epoch, or
+    every ``trainer.checkpoint_every_n_steps`` steps, the previous one deleted only after the
+    new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation.
+    """
+    t = cfg.trainer
+    if t.accelerator is AcceleratorName.npu:
+        torch_npu()  # a clear message when it is missing (Lightning's would not say what to do)
+    accelerator = NPUAccelerator() if t.accelerator is AcceleratorName.npu else (
+        "cuda" if t.accelerator is AcceleratorName.gpu else t.accelerator.value
+    )
+    precision, plugins = t.precision, []
+    if t.accelerator is AcceleratorName.npu and precision.endswith("-mixed"):
+        precision, plugins = None, [MixedPrecision(t.precision, device="npu")]
+    devices = 1 if t.strategy is StrategyName.single and t.devices == "auto" else t.devices
+
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    step_based = t.checkpoint_every_n_steps is not None
+    last = ModelCheckpoint(
+        dirpath=ckpt_dir, filename=LAST_PREFIX + "{step:09d}", auto_insert_metric_name=False,
+        monitor=None, save_top_k=1, every_n_train_steps=t.checkpoint_every_n_steps,
+        save_on_train_epoch_end=None if step_based else True, enable_version_counter=False,
+    )
+    best = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="best", monitor=monitor, mode=monitor_mode, save_top_k=1,
+        auto_insert_metric_name=False, save_on_train_epoch_end=False,
+        enable_version_counter=False,
+    )
+    progress = t.progress
+    if progress is ProgressMode.auto:
+        progress = ProgressMode.bar if sys.stdout.isatty() else ProgressMode.log
+    extra = [TQDMProgressBar()] if progress is ProgressMode.bar else []
+    if progress is ProgressMode.log:
+        extra.append(LogLines(t.log_every_n_steps))
+
+    return L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(t),
+        precision=precision,
+        plugins=plugins or None,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        limit_train_batches=t.limit_train_batches,
+        limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        log_every_n_steps=t.log_every_n_steps,
+        deterministic=t.deterministic,
+        benchmark=t.benchmark,
+        default_root_dir=run_dir,
+        logger=TensorBoardLogger(
+            save_dir=run_dir, name=TENSORBOARD_DIR, version="", default_hp_metric=False
+        ),
+        callbacks=[
+            last, best, StepStats(), LastValidation(), LearningRateMonitor("step"), *extra,
+            *callbacks,
+        ],
+        enable_progress_bar=progress is ProgressMode.bar,
+        # Tasks shard their own data (muoneq.runtime.data), so resumed runs replay exactly.
+        use_distributed_sampler=False,
+    )

@@ -1,0 +1,99 @@
+"""``muoneq sweep SWEEP.yaml``: run (or continue) the study a sweep file describes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import optuna
+
+from muoneq.sweeps.driver import Driver, DriverOptions, trial_command
+from muoneq.sweeps.spec import SweepError, load_sweep
+from muoneq.sweeps.storage import storage_label
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="muoneq sweep",
+        description="Run an Optuna study of trial processes; re-running the same command "
+                    "continues it (finished runs are never repeated).",
+    )
+    p.add_argument("sweep", type=Path, help="sweep file, e.g. sweeps/ablation-cifar10.yaml")
+    p.add_argument("--storage", default=None,
+                   help="journal:<file>, sqlite:///<file>, postgresql://user@host:port/db "
+                        "(default: journal file runs/<study>/optuna.journal)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="trials at once on this machine (default 1)")
+    p.add_argument("--devices", default=None,
+                   help="comma-separated accelerator ids split between workers "
+                        "(default: the visible ones)")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                   help="folder holding runs/<study>/ (default ./runs)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the sweep file, e.g. --set seeds=[0] "
+                        "--set launch.nproc=4 (repeatable)")
+    p.add_argument("--override", dest="train_overrides", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="extra training override for every run, e.g. trainer.max_epochs=10 "
+                        "(part of the study's identity; repeatable)")
+    p.add_argument("--poll", type=float, default=5.0,
+                   help="seconds between looks for work while other workers hold the last runs")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true",
+                      help="list the runs and the first command, run nothing")
+    mode.add_argument("--status", action="store_true", help="print the study's counts and exit")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        spec = load_sweep(args.sweep, args.sets)
+        spec.overrides = list(spec.overrides) + list(args.train_overrides)
+        devices = args.devices.split(",") if args.devices else None
+        options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
+                                runs_dir=args.runs_dir, poll_s=args.poll)
+        if args.dry_run:
+            return _dry_run(spec, options)
+        driver = Driver(spec, options)
+    except (SweepError, ValueError) as err:
+        print(f"muoneq sweep: {err}", file=sys.stderr)
+        return 2
+    where = storage_label(args.storage, driver.study_dir)
+    if args.status:
+        s = driver.summary()
+        print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "
+              f"{len(s.exhausted)} out of retries, {s.pending} to go")
+        return 0
+    logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
+                 driver.study_dir)
+    s = driver.run()
+    print(f"study {spec.study}: {s.done}/{s.total} runs done"
+          + (f", {len(s.exhausted)} out of retries: {s.exhausted}" if s.exhausted else "")
+          + (f", {s.pending} to go (re-run the same command to continue)" if s.pending else ""))
+    if not s.pending:
+        print(f"report: muoneq report {driver.study_dir}"
+              + (f" --storage {where}" if args.storage else ""))
+    return s.exit_code
+
+
+def _dry_run(spec, options: DriverOptions) -> int:
+    if not spec.is_grid:
+        print(f"study {spec.study}: TPE over {', '.join(spec.search.params)}, "
+              f"{spec.search.n_trials} configurations × {len(spec.seeds)} seeds")
+        return 0
+    points = spec.points()
+    print(f"study {spec.study}: {len(points)} points × {len(spec.seeds)} seeds = "
+          f"{len(points) * len(spec.seeds)} runs")
+    for p in points:
+        print(f"  {p.key}")
+    first, seed = points[0], spec.seeds[0]
+    run_dir = options.runs_dir / spec.study / "trials" / first.slug() / f"seed{seed}"
+    argv, _, _ = trial_command(spec, first, seed, run_dir)
+    print("first command:", shlex.join(argv))
+    return 0

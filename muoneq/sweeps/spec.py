@@ -1,0 +1,388 @@
+"""The sweep file: a typed OmegaConf schema, its validation, and the runs it describes.
+
+A sweep file (``sweeps/*.yaml``) names the experiment, the fixed training overrides, the search
+space (a grid given as a union of product blocks, or an open TPE search), the seeds (an axis of
+their own, never optimized), the objective metric from each run's ``metrics.json``, the launch
+template and the retry/pruning budget. ``load_sweep(path, dotlist)`` returns a
+:class:`SweepSpec`; misspelled keys and wrong types are errors that name the key.
+
+A *point* is one assignment of the search axes (``optimizer=muon_nes optimizer.lr=0.002``);
+a *run* is one process: a point with one seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import shlex
+import string
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+#: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
+#: ``key=value`` (fixed overrides first, then the point's axes); ``resume=auto`` lets a retried
+#: run continue from its last checkpoint in the same run folder.
+DEFAULT_COMMAND = (
+    "{python} -m muoneq train experiment={experiment} {overrides} seed={seed} "
+    "run.dir={run_dir} resume=auto"
+)
+#: Placeholders every command template may use (plus the sweep's ``launch.vars``).
+PLACEHOLDERS = (
+    "python", "experiment", "overrides", "seed", "run_dir", "study", "trial", "nproc",
+    "devices", "worker",
+)
+DIRECTIONS = ("minimize", "maximize")
+PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
+PARAM_TYPES = ("float", "int", "categorical")
+
+
+class SweepError(ValueError):
+    """A sweep file or its overrides are invalid (the message names the field)."""
+
+
+# ---------------------------------------------------------------- the schema (structured configs)
+@dataclass
+class Objective:
+    metric: str = MISSING  #: key of ``metrics.json`` told to Optuna
+    direction: str = "minimize"  #: ``minimize`` or ``maximize``
+
+
+@dataclass
+class Launch:
+    #: command template (shell words; see :data:`PLACEHOLDERS`); ``torchrun``/``srun`` welcome
+    command: str = DEFAULT_COMMAND
+    nproc: int = 1  #: value of ``{nproc}`` (processes per trial, e.g. GPUs for torchrun)
+    devices_per_trial: int = 0  #: accelerators each trial gets (0: leave visibility alone)
+    device_env: str = "CUDA_VISIBLE_DEVICES"  #: e.g. ASCEND_RT_VISIBLE_DEVICES on Ascend
+    env: dict[str, str] = field(default_factory=dict)  #: extra environment for the trial
+    vars: dict[str, Any] = field(default_factory=dict)  #: extra placeholders, e.g. ``nodes``
+    timeout_s: float | None = None  #: kill a run after this many seconds (counts as a failure)
+
+
+@dataclass
+class Retry:
+    max_retries: int = 2  #: a failed run is re-run at most this many times
+    heartbeat_s: float = 30.0  #: how often a driver marks its running trials alive
+    stale_after_s: float = 300.0  #: a trial of another machine without heartbeat is dead after
+
+
+@dataclass
+class Prune:
+    enabled: bool = False
+    tag: str = "val/loss"  #: TensorBoard scalar reported by global step (rank 0 writes it)
+    pruner: str = "median"  #: one of :data:`PRUNERS`
+    n_startup_trials: int = 5
+    n_warmup_steps: int = 0
+    percentile: float = 25.0  #: for ``pruner: percentile``
+    poll_s: float = 30.0  #: how often the event files are read
+
+
+@dataclass
+class SearchParam:
+    type: str = "float"  #: float, int or categorical
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: list[Any] | None = None
+
+
+@dataclass
+class Search:
+    """An open search (TPE): each trial runs every seed and is told their mean."""
+
+    params: dict[str, SearchParam] = field(default_factory=dict)
+    n_trials: int = 20
+    sampler_seed: int | None = None
+    n_startup_trials: int = 10
+
+
+@dataclass
+class MetricColumn:
+    key: str = MISSING  #: key of metrics.json
+    label: str | None = None
+    scale: float = 1.0  #: e.g. 100 for accuracy in %
+    digits: int = 2
+    direction: str | None = None  #: default: the objective's for its metric, else minimize
+
+
+@dataclass
+class TableSpec:
+    name: str = "table"
+    metrics: list[MetricColumn] = field(default_factory=list)  #: first one ranks the rows
+    select: list[str] = field(default_factory=lambda: ["optimizer.lr"])  #: chosen at best
+    columns: str | None = None  #: axis whose values become column groups (e.g. experiment)
+    deltas: bool = True  #: MuonEq variants against their Muon counterparts
+
+
+@dataclass
+class HeatmapSpec:
+    x: str = "optimizer.lr"
+    y: str = "optimizer.momentum"
+    metric: str | None = None  #: default: the objective metric
+    robustness_pct: float = 5.0  #: a cell is "good" within this % of the best cell
+
+
+@dataclass
+class LineSpec:
+    name: str = "lines"
+    x: str = MISSING
+    metrics: list[str] = field(default_factory=list)  #: default: the objective metric
+    select: list[str] = field(default_factory=list)  #: chosen at best per series and x
+    logx: bool = False
+
+
+@dataclass
+class CurveSpec:
+    tags: list[str] = field(default_factory=list)  #: TensorBoard scalar tags
+    select: list[str] = field(default_factory=lambda: ["optimizer.lr"])
+
+
+@dataclass
+class ReportSpec:
+    tables: list[TableSpec] = field(default_factory=list)
+    heatmaps: list[HeatmapSpec] = field(default_factory=list)
+    lines: list[LineSpec] = field(default_factory=list)
+    curves: CurveSpec | None = None
+
+
+@dataclass
+class SweepSpec:
+    study: str = MISSING  #: study name (also the folder under the runs directory)
+    description: str = ""
+    experiment: str | None = None  #: experiment config; or an ``experiment`` grid axis
+    overrides: list[str] = field(default_factory=list)  #: fixed ``key=value`` for every run
+    seeds: list[int] = field(default_factory=lambda: [0])
+    grid: list[dict[str, Any]] = field(default_factory=list)  #: union of product blocks
+    search: Search | None = None
+    objective: Objective = field(default_factory=Objective)
+    launch: Launch = field(default_factory=Launch)
+    retry: Retry = field(default_factory=Retry)
+    prune: Prune = field(default_factory=Prune)
+    report: ReportSpec = field(default_factory=ReportSpec)
+
+    # ------------------------------------------------------------------------- derived views
+    @property
+    def is_grid(self) -> bool:
+        return bool(self.grid)
+
+    def axes(self) -> list[str]:
+        """Search axes in order of first appearance (``seed`` excluded)."""
+        if self.search is not None:
+            return list(self.search.params)
+        seen: dict[str, None] = {}
+        for block in self.grid:
+            seen.update(dict.fromkeys(block))
+        return list(seen)
+
+    def points(self) -> list[Point]:
+        """Every grid point (blocks expanded, duplicates across blocks kept once)."""
+        axes = self.axes()
+        out: dict[str, Point] = {}
+        for block in self.grid:
+            keys = list(block)
+            for values in product(*(block[k] for k in keys)):
+                assignment = dict(zip(keys, values, strict=True))
+                point = Point(tuple((a, assignment[a]) for a in axes if a in assignment))
+                out.setdefault(point.key, point)
+        return list(out.values())
+
+    def experiment_of(self, point: Point) -> str:
+        return str(point.as_dict().get("experiment", self.experiment))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One assignment of the search axes, in axis order."""
+
+    items: tuple[tuple[str, Any], ...]
+
+    @property
+    def key(self) -> str:
+        """Canonical text, e.g. ``optimizer=muon_nes optimizer.lr=0.002`` (the trial's id)."""
+        return " ".join(f"{k}={format_value(v)}" for k, v in self.items)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.items)
+
+    def overrides(self) -> list[str]:
+        """``key=value`` training overrides (``experiment`` goes to its own placeholder)."""
+        return [f"{k}={format_value(v)}" for k, v in self.items if k != "experiment"]
+
+    def slug(self) -> str:
+        """A folder name for the point: readable, filesystem-safe, unique."""
+        text = re.sub(r"[^A-Za-z0-9_.,=+-]+", "_", self.key.replace(" ", ",")) or "default"
+        if len(text) > 120:
+            digest = hashlib.sha1(self.key.encode()).hexdigest()[:10]
+            text = f"{text[:100]}-{digest}"
+        return text
+
+
+def format_value(value: Any) -> str:
+    """How a value is written in an override and a key (``repr`` for floats: exact)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
+    """Read a sweep file, apply ``dotlist`` overrides (``seeds=[0]``), validate, return it."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"sweep file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+        merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
+        if dotlist:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(dotlist)))
+        spec = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise SweepError(f"{path}: {err}") from None
+    validate(spec, source=str(path))
+    return spec
+
+
+def spec_from_dict(data: dict, source: str = "<dict>") -> SweepSpec:
+    """Build and validate a spec from a plain dict (used for the copy saved with a study)."""
+    try:
+        spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), data))
+    except OmegaConfBaseException as err:
+        raise SweepError(f"{source}: {err}") from None
+    validate(spec, source=source)
+    return spec
+
+
+def spec_to_dict(spec: SweepSpec) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(spec), resolve=True)
+
+
+def _choice(value: Any, allowed: Iterable[str], name: str, source: str) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise SweepError(f"{source}: {name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+
+
+def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
+    """Raise :class:`SweepError` naming the field for anything a run would trip over later."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.study):
+        raise SweepError(f"{source}: study={spec.study!r} must be a folder name "
+                         "(letters, digits, '_', '.', '-')")
+    _choice(spec.objective.direction, DIRECTIONS, "objective.direction", source)
+    if bool(spec.grid) == (spec.search is not None):
+        raise SweepError(f"{source}: give exactly one of 'grid' (GridSampler) and "
+                         "'search' (TPE)")
+    if not spec.seeds or len(set(spec.seeds)) != len(spec.seeds):
+        raise SweepError(f"{source}: seeds={spec.seeds} must be a non-empty list without repeats")
+    for i, word in enumerate(spec.overrides):
+        if "=" not in word or word.startswith("="):
+            raise SweepError(f"{source}: overrides[{i}]={word!r} is not of the form key=value")
+    for i, block in enumerate(spec.grid):
+        if not block:
+            raise SweepError(f"{source}: grid[{i}] is empty")
+        for axis, values in block.items():
+            where = f"grid[{i}].{axis}"
+            if axis == "seed":
+                raise SweepError(f"{source}: {where}: seeds are their own axis; use 'seeds:'")
+            if not isinstance(values, list) or not values:
+                raise SweepError(f"{source}: {where} must be a non-empty list of values")
+            for v in values:
+                if not isinstance(v, str | int | float | bool):
+                    raise SweepError(f"{source}: {where}: value {v!r} is not a scalar")
+                if isinstance(v, str) and (" " in v or not v):
+                    raise SweepError(f"{source}: {where}: value {v!r} must be a non-empty word")
+    if spec.search is not None:
+        if not spec.search.params:
+            raise SweepError(f"{source}: search.params is empty")
+        if spec.search.n_trials < 1:
+            raise SweepError(f"{source}: search.n_trials must be ≥ 1")
+        for name, p in spec.search.params.items():
+            where = f"search.params.{name}"
+            _choice(p.type, PARAM_TYPES, f"{where}.type", source)
+            if p.type == "categorical":
+                if not p.choices:
+                    raise SweepError(f"{source}: {where}.choices must be a non-empty list")
+            elif p.low is None or p.high is None or not p.low < p.high:
+                raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
+            elif p.log and p.low <= 0:
+                raise SweepError(f"{source}: {where}: log scale needs low > 0")
+    if spec.experiment is None:
+        missing = [p.key for p in (spec.points() if spec.is_grid else [])
+                   if "experiment" not in p.as_dict()]
+        if not spec.is_grid or missing:
+            raise SweepError(f"{source}: 'experiment' is not set (top level or a grid axis)"
+                             + (f"; points without it: {missing[:3]}" if missing else ""))
+    r = spec.retry
+    if r.max_retries < 0 or r.heartbeat_s <= 0 or r.stale_after_s <= r.heartbeat_s:
+        raise SweepError(f"{source}: retry needs max_retries ≥ 0, heartbeat_s > 0 and "
+                         "stale_after_s > heartbeat_s")
+    _choice(spec.prune.pruner, PRUNERS, "prune.pruner", source)
+    if spec.prune.poll_s <= 0:
+        raise SweepError(f"{source}: prune.poll_s must be > 0")
+    launch = spec.launch
+    if launch.nproc < 1 or launch.devices_per_trial < 0:
+        raise SweepError(f"{source}: launch.nproc must be ≥ 1 and devices_per_trial ≥ 0")
+    check_template(launch.command, launch.vars, source)
+    _validate_report(spec, source)
+
+
+def check_template(command: str, extra: dict, source: str = "<sweep>") -> None:
+    """Every ``{name}`` of the launch template must be known; ``{overrides}`` a word alone."""
+    try:
+        words = shlex.split(command)
+    except ValueError as err:
+        raise SweepError(f"{source}: launch.command: {err}") from None
+    known = set(PLACEHOLDERS) | set(extra)
+    for word in words:
+        if "{overrides}" in word and word != "{overrides}":
+            raise SweepError(f"{source}: launch.command: '{{overrides}}' must be a word of its "
+                             f"own, not part of {word!r}")
+        for _, name, _, _ in string.Formatter().parse(word):
+            if name is not None and name.split(".")[0].split("[")[0] not in known:
+                raise SweepError(f"{source}: launch.command: unknown placeholder {{{name}}}; "
+                                 f"allowed: {', '.join(sorted(known))}")
+    if "{run_dir}" not in command:
+        raise SweepError(f"{source}: launch.command must pass {{run_dir}} to the trial")
+
+
+def _validate_report(spec: SweepSpec, source: str) -> None:
+    axes = set(spec.axes())
+    rep = spec.report
+
+    def need(axis: str | None, where: str) -> None:
+        if axis is not None and axis not in axes:
+            raise SweepError(f"{source}: {where}={axis!r} is not a search axis; "
+                             f"axes: {', '.join(sorted(axes)) or '(none)'}")
+
+    for t in rep.tables:
+        for a in t.select:
+            need(a, f"report.tables[{t.name}].select")
+        need(t.columns, f"report.tables[{t.name}].columns")
+        for m in t.metrics:
+            if m.direction is not None:
+                _choice(m.direction, DIRECTIONS, f"report.tables[{t.name}].metrics.direction",
+                        source)
+    for h in rep.heatmaps:
+        need(h.x, "report.heatmaps.x")
+        need(h.y, "report.heatmaps.y")
+        if not 0 < h.robustness_pct < 100:
+            raise SweepError(f"{source}: report.heatmaps.robustness_pct must be in (0, 100)")
+    for line in rep.lines:
+        need(line.x, f"report.lines[{line.name}].x")
+        for a in line.select:
+            need(a, f"report.lines[{line.name}].select")
+    if rep.curves is not None:
+        for a in rep.curves.select:
+            need(a, "report.curves.select")
+
+
+def is_finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

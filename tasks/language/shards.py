@@ -1,0 +1,107 @@
+"""Token shards in the llm.c / modded-nanogpt format, so existing pre-tokenized FineWeb works.
+
+A shard is a 1,024-byte header of 256 little-endian int32 — ``[20240520, 1, n_tokens, 0, …]``
+(magic, version, token count) — followed by ``n_tokens`` little-endian uint16 token ids.
+Documents are prefixed with ``<|endoftext|>``. Files are named ``<prefix>_<split>_<NNNNNN>.bin``
+(``fineweb_val_000000.bin``, ``fineweb_train_000001.bin``…). Written by hand because it is a
+fixed binary layout that numpy reads directly; no library owns it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+SPLITS = ("train", "val")
+
+
+class ShardError(ValueError):
+    """A file that is not a valid token shard (the message names the file and the defect)."""
+
+
+def shard_name(prefix: str, split: str, index: int) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split: unknown {split!r}; allowed: {', '.join(SPLITS)}")
+    return f"{prefix}_{split}_{index:06d}.bin"
+
+
+def write_shard(path: str | Path, tokens) -> Path:
+    """Write ``tokens`` (ids < 65,536) as one shard, atomically: the file either appears whole
+    or not at all, so an interrupted preparation never leaves a truncated shard behind."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must lie in [0, 65535] to fit uint16 shards")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_header(path: str | Path) -> int:
+    """Validate the shard at ``path`` and return its token count (raises :class:`ShardError`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"{path}: no such shard file")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, n_tokens = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        raise ShardError(f"{path}: wrong magic number {magic} (expected {MAGIC}): not a shard")
+    if version != VERSION:
+        raise ShardError(
+            f"{path}: unsupported version {version} (expected {VERSION}: uint16 tokens)"
+        )
+    expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * n_tokens
+    if n_tokens < 0 or size != expected:
+        raise ShardError(
+            f"{path}: header promises {n_tokens} tokens ({expected} bytes) but the file has "
+            f"{size} bytes; truncated or corrupt, prepare it again"
+        )
+    return n_tokens
+
+
+def open_shard(path: str | Path) -> np.memmap:
+    """The tokens of a validated shard, memory-mapped read-only (nothing is loaded)."""
+    n_tokens = read_header(path)
+    if n_tokens == 0:
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+
+
+def find_shards(source: str | Path, split: str) -> list[Path]:
+    """The shards of ``split`` in order: every ``*_<split>_<digits>.bin`` under a directory, or
+    the files matching a glob pattern (``/data/fineweb10B/fineweb_train_*.bin``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split: unknown {split!r}; allowed: {', '.join(SPLITS)}")
+    source = Path(source).expanduser()
+    if source.is_dir():
+        pattern = re.compile(rf".*_{split}_\d+\.bin")
+        files = sorted(p for p in source.iterdir() if pattern.fullmatch(p.name))
+    else:
+        files = sorted(source.parent.glob(source.name))
+    if not files:
+        raise FileNotFoundError(
+            f"no {split} shards at {source} (expected files named *_{split}_000000.bin); "
+            "prepare them with `muoneq data` (make data-fineweb / make data-c4) or point "
+            "data.dir at a folder of llm.c/modded-nanogpt shards"
+        )
+    return files

@@ -1,0 +1,1 @@
+"""Vision workloads: ResNet-18 (CIFAR variant) on CIFAR-10."""

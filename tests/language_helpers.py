@@ -1,0 +1,71 @@
+"""Small corpora written by the tests in every supported file format, and a tiny tokenizer."""
+
+import base64
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+FORMATS = ("jsonl", "json.gz", "parquet", "txt")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; on a busy shared CPU, several threads spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+_WORDS = {
+    "det": ["the", "a", "every", "no"],
+    "adj": ["red", "quiet", "old", "bright", "small"],
+    "noun": ["cat", "ship", "king", "river", "stone", "bird"],
+    "verb": ["sees", "follows", "carries", "finds"],
+}
+
+
+def make_documents(n: int, seed: int = 0) -> list[str]:
+    """``n`` documents of a few sentences from a small grammar (learnable in a few steps)."""
+    rng = np.random.default_rng(seed)
+
+    def pick(kind):
+        return _WORDS[kind][rng.integers(len(_WORDS[kind]))]
+
+    docs = []
+    for _ in range(n):
+        pattern = ("det", "adj", "noun", "verb", "det", "noun")
+        sentences = [" ".join(pick(k) for k in pattern) + "." for _ in range(rng.integers(1, 4))]
+        docs.append(" ".join(sentences).capitalize())
+    return docs
+
+
+def write_corpus(folder, fmt: str, docs: list[str], name: str = "corpus"):
+    """Write ``docs`` as ``fmt`` (one record / paragraph per document); return the path."""
+    path = folder / f"{name}.{fmt}"
+    if fmt == "jsonl":
+        rows = (json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
+        path.write_text("".join(rows))
+    elif fmt == "json.gz":
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    elif fmt == "parquet":
+        pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), path)
+    elif fmt == "txt":
+        path.write_text("\n\n".join(docs))
+    else:
+        raise ValueError(fmt)
+    return path
+
+
+def tiny_tiktoken_file(path):
+    """A byte-level BPE with a few merges, in tiktoken's file format (base64 token, rank)."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for merge in (b"th", b"he", b"the", b" t", b" the"):
+        ranks[merge] = len(ranks)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return path

@@ -1,0 +1,386 @@
+"""DDP, FSDP2 (fully_shard and Lightning's ModelParallelStrategy) and DCP, against one process.
+
+Every multi-process check spawns 2 gloo processes on CPU. Each rank sees the *same* batch,
+so the all-reduced gradients equal the single-process ones exactly and any difference comes
+from the optimizer's distributed path (the issue's bound for fp32 NS: 1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from muoneq import MuonEq
+from muoneq.optim import Mousse, NorMuon
+from muoneq.optim.distributed import balance, ns_flops, shard_rows
+
+WORLD = 2
+STEPS = 3
+#: Methods with state of their own (they override only ``_direction``): never split.
+STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
+TOLERANCE = 1e-6
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_model() -> nn.Module:
+    """Uneven row counts (9, 5, 3, 1 rows over 2 ranks) and a conv filter (8, 3, 3, 3)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 9), nn.Tanh(),
+        nn.Linear(9, 5, bias=False), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1),
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(6, 3, 4, 4, generator=g), torch.randn(6, 1, generator=g)
+
+
+def groups(model: nn.Module, **hparams) -> list[dict]:
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "use_muon": True, **hparams},
+        {"params": [p for p in params if p.ndim < 2], "use_muon": False},
+    ]
+
+
+def train(model, opt, steps: int, first: int = 0) -> None:
+    for t in range(first, first + steps):
+        x, y = batch(t)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def build(kind: str, model: nn.Module, **options):
+    hparams = {"lr": 0.05, "weight_decay": 0.1}
+    if kind in STATEFUL:
+        return STATEFUL[kind](groups(model), **hparams)
+    mode, _, batching = kind.partition("/")
+    return MuonEq(groups(model), mode=mode, ns_dtype=torch.float32,
+                  batching=batching or "auto", **hparams, **options)
+
+
+def single_process(kind: str, steps: int = STEPS) -> list[torch.Tensor]:
+    """The reference run, on one thread like the workers (BLAS rounds by thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model()
+        train(model, build(kind, model), steps)
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, worker: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.save(globals()[worker](rank, world), os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker: str, tmp_path) -> list[dict]:
+    mp.spawn(_entry, args=(WORLD, free_port(), worker, str(tmp_path)), nprocs=WORLD)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+# ----------------------------------------------------------------------------- DDP
+class CountingMuonEq(MuonEq):
+    """MuonEq that records the FLOPs it orthogonalizes on this rank."""
+
+    stateless_direction = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flops = 0.0
+
+    def _direction(self, p, m_tilde, state, group):
+        self.flops += ns_flops(m_tilde.shape[-2:], group["ns_steps"])
+        return super()._direction(p, m_tilde, state, group)
+
+
+#: (optimizer, distributed=): MuonEq split or not, and NorMuon (stateful: never split)
+DDP_CASES = [("R", "auto"), ("R", False), ("none", "auto"), ("RC/stacked", "auto"),
+             ("normuon", "auto")]
+
+
+def ddp_worker(rank: int, world: int) -> dict:
+    results = {}
+    for kind, split in DDP_CASES:
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = build(kind, model) if kind in STATEFUL else build(kind, model, distributed=split)
+        train(ddp, opt, STEPS)
+        results[(kind, split)] = [p.detach().clone() for p in model.parameters()]
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = CountingMuonEq(groups(model), lr=0.05, ns_dtype=torch.float32)
+    train(ddp, opt, 1)
+    results["flops"] = opt.flops
+    # without DDP the ranks' gradients differ: splitting must refuse
+    model = make_model()
+    opt = MuonEq(groups(model), lr=0.05)
+    x, y = batch(rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    try:
+        opt.step()
+        results["mismatch"] = "no error"
+    except RuntimeError as err:
+        results["mismatch"] = str(err)
+    return results
+
+
+def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
+    """One pair of processes for both layouts (process start-up dominates these tests)."""
+    return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spawned")
+    os.environ["MUONEQ_TEST_DCP"] = str(folder / "dcp")
+    try:
+        return spawn("ddp_and_fsdp_worker", folder)
+    finally:
+        del os.environ["MUONEQ_TEST_DCP"]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(spawned):
+    return [r["ddp"] for r in spawned]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(spawned):
+    return [r["fsdp"] for r in spawned]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, split", DDP_CASES)
+def test_ddp_matches_one_process_on_every_rank(ddp_results, kind, split):
+    want = single_process(kind)
+    for r in range(WORLD):
+        got = ddp_results[r][(kind, split)]
+        assert max_rel_diff(got, want) <= TOLERANCE
+        for a, b in zip(got, ddp_results[0][(kind, split)], strict=True):
+            assert torch.equal(a, b), "ranks must end with identical parameters"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results):
+    shapes = [(p.shape[0], math.prod(p.shape[1:])) for p in make_model().parameters()
+              if p.ndim >= 2]
+    costs = [ns_flops(s, 5) for s in shapes]
+    shares = [ddp_results[r]["flops"] for r in range(WORLD)]
+    assert sum(shares) == pytest.approx(sum(costs))
+    assert all(share > 0 for share in shares)
+    assert max(shares) <= sum(costs) / WORLD + max(costs)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_split_refuses_ranks_with_different_gradients(ddp_results):
+    for r in range(WORLD):
+        assert "gradients differ across ranks" in ddp_results[r]["mismatch"]
+        assert "distributed=False" in ddp_results[r]["mismatch"]
+
+
+# ----------------------------------------------------------------------------- FSDP2
+FSDP_CASES = ["R", "RC/stacked", "none", "normuon", "mousse"]
+
+
+def fsdp_worker(rank: int, world: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded_model():
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def full(model):
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+    results = {}
+    for kind in FSDP_CASES:
+        model = sharded_model()
+        opt = build(kind, model)
+        train(model, opt, STEPS)
+        results[kind] = full(model)
+        if kind == "R":
+            layouts = []
+            for p in model.parameters():
+                buf = opt.state[p]["momentum_buffer"] if p.ndim >= 2 else opt.state[p]["exp_avg"]
+                layouts.append(isinstance(buf, DTensor) and buf.placements == (Shard(0),)
+                               and buf.to_local().shape == p.to_local().shape)
+            results["momentum_sharded"] = layouts
+
+    # distributed checkpoint: save after 2 steps, resume in fresh objects, compare
+    model = sharded_model()
+    opt = build("RC", model)
+    train(model, opt, 2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    ckpt = os.environ["MUONEQ_TEST_DCP"]
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    train(model, opt, 2, first=2)
+    results["straight"] = full(model)
+    resumed = sharded_model()
+    opt2 = build("RC", resumed)
+    model_sd, optim_sd = get_state_dict(resumed, opt2)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(resumed, opt2, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    train(resumed, opt2, 2, first=2)
+    results["resumed"] = full(resumed)
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FSDP_CASES)
+def test_fsdp2_matches_one_process(fsdp_results, kind):
+    want = single_process(kind)
+    for r in range(WORLD):
+        assert max_rel_diff(fsdp_results[r][kind], want) <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_state_is_sharded_like_its_parameter(fsdp_results):
+    for r in range(WORLD):
+        assert all(fsdp_results[r]["momentum_sharded"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_distributed_checkpoint_round_trip(fsdp_results):
+    want = single_process("RC", steps=4)
+    for r in range(WORLD):
+        for a, b in zip(fsdp_results[r]["resumed"], fsdp_results[r]["straight"], strict=True):
+            assert torch.equal(a, b)
+        assert max_rel_diff(fsdp_results[r]["straight"], want) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- Lightning
+LIGHTNING_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, sys.argv[2])
+    from test_distributed import STEPS, batch, build, make_model
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_model()
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, xy, _):
+            x, y = xy
+            return torch.nn.functional.mse_loss(self.net(x[0]), y[0])
+
+        def configure_optimizers(self):
+            return build("R", self.net)
+
+    torch.set_num_threads(1)
+    module = Module()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2,
+        strategy=L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=2,
+                                                           tensor_parallel_size=1),
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False,
+    )
+    trainer.fit(module, DataLoader([batch(t) for t in range(STEPS)], batch_size=1))
+    params = [p.full_tensor().detach().clone() for p in module.net.parameters()]
+    if trainer.global_rank == 0:
+        torch.save(params, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lightning_model_parallel_strategy_matches_one_process(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    out = tmp_path / "params.pt"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), os.path.dirname(__file__)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert max_rel_diff(torch.load(out), single_process("R")) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- planning
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_balance_keeps_every_rank_within_total_over_world_plus_largest(world):
+    gen = torch.Generator().manual_seed(world)
+    shapes = [tuple(int(v) for v in torch.randint(1, 300, (2,), generator=gen))
+              for _ in range(37)]
+    costs = [ns_flops(s, 5) for s in shapes]
+    owners = balance(costs, world)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
+    assert max(loads) <= sum(costs) / world + max(costs)
+    assert owners == balance(costs, world), "every rank must compute the same plan"
+    gpt2 = [ns_flops(s, 5) for s in [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12]
+    loads = [0.0] * world
+    for c, o in zip(gpt2, balance(gpt2, world), strict=True):
+        loads[o] += c
+    assert max(loads) <= sum(gpt2) / world + max(gpt2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9, 16])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_rows_is_the_dtensor_shard0_layout(rows, world):
+    from torch.distributed.tensor import Shard
+
+    pieces, _ = Shard(0)._split_tensor(torch.arange(rows), world, with_padding=False)
+    layout = shard_rows(rows, world)
+    assert [length for _, length in layout] == [len(p) for p in pieces]
+    assert [int(p[0]) for p in pieces if len(p)] == [s for s, n in layout if n]

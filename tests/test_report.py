@@ -1,0 +1,237 @@
+"""Reports against hand-computed numbers: tables (Markdown, LaTeX), heatmaps, lines, curves,
+and a study read back from its Optuna storage."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from matplotlib.image import imread
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from muoneq.report import load_study_data, write_report
+from muoneq.report.cli import main as report_main
+from muoneq.report.figures import heatmaps, learning_curves, line_plot
+from muoneq.report.tables import build_table, to_latex, to_markdown
+from muoneq.sweeps.spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec, load_sweep
+from muoneq.sweeps.storage import open_storage
+
+NAN = float("nan")
+
+
+def runs_of(rows: list[tuple[dict, list[float]]], metric: str, **extra) -> list[dict]:
+    """One record per seed, as muoneq.report.records builds them."""
+    out = []
+    for point, values in rows:
+        for seed, v in enumerate(values):
+            status = "complete" if v == v else "diverged"
+            metrics = {metric: v, **{k: f(point, seed) for k, f in extra.items()}}
+            out.append({**point, "seed": seed, **metrics, "_status": status,
+                        "_run_dir": f"/nowhere/{len(out)}", "_trial": len(out)})
+    return out
+
+
+def opt(name, lr, mode=None, **kw):
+    return {"optimizer": name, "optimizer.lr": lr, "optimizer.mode": mode, **kw}
+
+
+ABLATION = [  # test accuracy per seed
+    (opt("sgd", 0.1), [0.90, 0.92, 0.94]),  # mean 0.92
+    (opt("sgd", 0.05), [0.93, 0.95, 0.94]),  # mean 0.94 ± 0.01  ← best, grid edge
+    (opt("sgd", 0.01), [0.80, 0.81, 0.82]),
+    (opt("muon_nes", 0.1), [0.90, 0.90, 0.90]),
+    (opt("muon_nes", 0.05), [0.944, 0.945, 0.946]),  # mean 0.945 ± 0.001  ← best
+    (opt("muon_nes", 0.01), [0.93, 0.93, 0.93]),
+    (opt("muoneq_nes", 0.05, "R"), [0.95, 0.96, 0.94]),  # 0.95 ± 0.01 ← best overall
+    (opt("muoneq_nes", 0.05, "C"), [0.96, 0.97, NAN]),  # one seed diverged: not eligible
+    (opt("muoneq_nes", 0.01, "C"), [0.91, 0.92, 0.93]),  # 0.92 ± 0.01  ← C's best, an edge
+    (opt("muoneq_nes", 0.1, "C"), [0.50, 0.50, 0.50]),
+]
+AXES = ["optimizer", "optimizer.lr", "optimizer.mode"]
+
+
+def ablation_table(**spec):
+    runs = runs_of(ABLATION, "test_acc")
+    points = [p for p, _ in ABLATION]
+    tspec = TableSpec(name="ablation", metrics=[MetricColumn(key="test_acc", label="Acc. (%)",
+                                                             scale=100)], **spec)
+    return build_table(runs, tspec, AXES, "test_acc", "maximize", points)
+
+
+def test_ablation_table_markdown_matches_hand_computed_means_and_stds():
+    md = to_markdown(ablation_table())
+    lines = md.splitlines()
+    assert lines[0] == "| Method | lr | Acc. (%) |"
+    assert lines[2:6] == [
+        "| SGD | 0.05 | 94.00 ± 1.00 |",
+        "| Muon-Nes | 0.05 | 94.50 ± 0.10 |",
+        "| MuonEq-Nes (R) | 0.05 | **95.00 ± 1.00** (+0.50) |",
+        "| MuonEq-Nes (C) | 0.01 | 92.00 ± 1.00 (-2.50) |",
+    ]
+    assert "sample std" in md
+    notes = [line for line in lines if line.startswith("- note:")]
+    assert len(notes) == 1 and "MuonEq-Nes (C)" in notes[0] and "edge" in notes[0]
+
+
+def test_ablation_table_latex():
+    tex = to_latex(ablation_table())
+    assert r"\begin{tabular}{lcc}" in tex and r"\toprule" in tex and r"\bottomrule" in tex
+    assert r"MuonEq-Nes (R) & 0.05 & $\mathbf{95.00}_{\pm1.00}$\,{\scriptsize(+0.50)} \\" in tex
+    assert r"SGD & 0.05 & $94.00_{\pm1.00}$ \\" in tex
+    assert r"Acc. (\%)" in tex
+
+
+def test_table_with_column_groups_memory_and_time():
+    rows = []
+    for exp, base in (("130m", 20.0), ("350m", 15.0)):
+        rows += [
+            (opt("muon", 3e-3, experiment=exp), [base + 0.5]),
+            (opt("muon", 5e-3, experiment=exp), [base + 0.9]),
+            (opt("muoneq", 3e-3, experiment=exp), [base + 0.2]),
+            (opt("muoneq", 5e-3, experiment=exp), [base - 0.1]),
+        ]
+    runs = runs_of(rows, "val_ppl",
+                   peak_mem_gb=lambda p, s: 12.5 if p["experiment"] == "130m" else 28.2,
+                   step_time_s=lambda p, s: 0.25 + (p["optimizer"] == "muoneq") * 0.01)
+    for r in runs:
+        del r["optimizer.mode"]
+    spec = TableSpec(name="compare", columns="experiment", metrics=[
+        MetricColumn(key="val_ppl", label="ppl"), MetricColumn(key="peak_mem_gb", label="mem"),
+        MetricColumn(key="step_time_s", label="s/step")])
+    axes = ["experiment", "optimizer", "optimizer.lr"]
+    table = build_table(runs, spec, axes, "val_ppl", "minimize", [p for p, _ in rows])
+    md = to_markdown(table).splitlines()
+    assert md[0] == ("| Method | 130m · lr | 130m · ppl | 130m · mem | 130m · s/step | "
+                     "350m · lr | 350m · ppl | 350m · mem | 350m · s/step |")
+    assert md[2] == ("| Muon | 0.003 | 20.50 | **12.50** | **0.25** | 0.003 | 15.50 | **28.20** | "
+                     "**0.25** |")
+    assert md[3] == ("| MuonEq | 0.005 | **19.90** (-0.60) | **12.50** | 0.26 | 0.005 | "
+                     "**14.90** (-0.60) | **28.20** | 0.26 |")
+    tex = to_latex(table)
+    assert r"\multicolumn{4}{c}{130m} & \multicolumn{4}{c}{350m}" in tex
+    assert r"\cmidrule(lr){2-5} \cmidrule(lr){6-9}" in tex
+
+
+def test_heatmaps_have_the_grid_axes_a_shared_scale_and_robustness(tmp_path):
+    rows, ppl = [], {}
+    for name, offset in (("muon_nes", 1.0), ("muoneq_nes", 0.0)):
+        for lr in (1e-3, 2e-3, 5e-3):
+            for mom in (0.9, 0.95):
+                ppl[name, lr, mom] = 25.0 + offset + (lr == 5e-3) * 3 + (mom == 0.9) * 0.5
+                mode = "R" if name == "muoneq_nes" else None
+                rows.append((opt(name, lr, mode, **{"optimizer.momentum": mom,
+                                                   "optimizer.ns_steps": 5}),
+                             [ppl[name, lr, mom] - 0.1, ppl[name, lr, mom] + 0.1]))
+    axes = [*AXES, "optimizer.momentum", "optimizer.ns_steps"]
+    spec = HeatmapSpec(x="optimizer.lr", y="optimizer.momentum", robustness_pct=3.0)
+    panels = heatmaps(runs_of(rows, "val_ppl"), spec, axes, "val_ppl", "minimize", tmp_path)
+    assert [p.title for p in panels] == ["Muon-Nes | K=5", "MuonEq-Nes (R) | K=5"]
+    for p in panels:
+        ax = p.figure.axes[0]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.002", "0.005"]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["0.9", "0.95"]
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("lr", "momentum")
+        assert ax.images[0].get_clim() == (25.0, 29.5)  # one color scale for every panel
+        name = "muon_nes" if p.title.startswith("Muon-Nes") else "muoneq_nes"
+        for i, mom in enumerate((0.9, 0.95)):
+            for j, lr in enumerate((1e-3, 2e-3, 5e-3)):
+                assert p.grid[i, j] == pytest.approx(ppl[name, lr, mom])
+        assert imread(p.path).shape[0] > 100
+        with p.path.with_suffix(".csv").open() as fh:
+            assert next(csv.reader(fh)) == ["momentum \\ lr", "0.001", "0.002", "0.005"]
+    # best cell 25.0; within 3%: ≤ 25.75 → MuonEq: 25.0, 25.0, 25.5, 25.5 (4/6); Muon: 26 > 25.75
+    assert [p.robustness for p in panels] == [0.0, pytest.approx(4 / 6)]
+    assert (tmp_path / "robustness.png").exists()
+
+
+def test_k_sweep_lines_pick_the_best_lr_per_k(tmp_path):
+    rows = []
+    for k in (1, 3, 5):
+        rows.append((opt("muon_nes", 1e-3, **{"optimizer.ns_steps": k}), [30.0 - k, 32.0 - k]))
+        rows.append((opt("muon_nes", 2e-3, **{"optimizer.ns_steps": k}), [40.0, 40.0]))
+    runs = runs_of(rows, "val_ppl", step_time_s=lambda p, s: 0.1 * p["optimizer.ns_steps"])
+    spec = LineSpec(name="ksweep", x="optimizer.ns_steps", metrics=["val_ppl", "step_time_s"],
+                    select=["optimizer.lr"])
+    series, path = line_plot(runs, spec, [*AXES, "optimizer.ns_steps"], "val_ppl", "minimize",
+                             tmp_path)
+    (s,) = series
+    assert s.label == "Muon-Nes" and s.x == [1, 3, 5]
+    assert s.mean["val_ppl"] == [30.0, 28.0, 26.0]
+    assert s.std["val_ppl"] == pytest.approx([2 ** 0.5] * 3)
+    assert s.mean["step_time_s"] == pytest.approx([0.1, 0.3, 0.5])
+    assert path.exists() and path.with_suffix(".csv").read_text().count("\n") == 4
+
+
+def test_learning_curves_average_the_seeds_event_files(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    runs = []
+    for seed, scale in enumerate((1.0, 3.0)):
+        run_dir = tmp_path / f"seed{seed}"
+        with SummaryWriter(str(run_dir / "tb")) as w:
+            for step in (10, 20, 30):
+                w.add_scalar("val_loss", scale * 100 / step, step)
+        runs.append({**opt("muoneq_nes", 0.02, "R"), "seed": seed, "val_loss": scale,
+                     "_status": "complete", "_run_dir": str(run_dir), "_trial": seed})
+    out = learning_curves(runs, CurveSpec(tags=["val_loss", "absent"]), AXES, "val_loss",
+                          "minimize", tmp_path)
+    assert list(out) == ["val_loss"]
+    path, series = out["val_loss"]
+    steps, mean = series["MuonEq-Nes (R) (lr=0.02)"]
+    assert steps == [10, 20, 30] and mean == pytest.approx([20.0, 10.0, 20 / 3])
+    assert path.exists()
+
+
+def _add(study, number_cell, seed, value, *, state=TrialState.COMPLETE, outcome="complete",
+         study_dir: Path):
+    point, cell = number_cell
+    key = f"{cell} | seed={seed}"
+    rel = f"trials/{cell.replace(' ', ',')}/seed{seed}"
+    study.add_trial(create_trial(
+        state=state, value=value if state == TrialState.COMPLETE else None,
+        params={"cell": cell, "seed": seed},
+        distributions={"cell": CategoricalDistribution([cell]),
+                       "seed": CategoricalDistribution([seed])},
+        user_attrs={"run_key": key, "point": point, "seeds": [seed], "run_dirs": [rel],
+                    "metrics": {"test_acc": value}, "outcome": outcome}))
+
+
+def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, capsys):
+    sweep = {"study": "mini", "experiment": "cifar10_resnet18", "seeds": [0, 1],
+             "grid": [{"optimizer": ["sgd", "muon_nes", "muoneq_nes"], "optimizer.lr": [0.05]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"},
+             "report": {"tables": [{"name": "ablation",
+                                    "metrics": [{"key": "test_acc", "scale": 100}]}]}}
+    path = tmp_path / "mini.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(path)
+    study_dir = tmp_path / "runs" / "mini"
+    study = optuna.create_study(study_name="mini", storage=open_storage(None, study_dir),
+                                direction="maximize")
+    from muoneq.sweeps.spec import spec_to_dict
+
+    study.set_user_attr("spec", spec_to_dict(spec))
+    cells = [(p.as_dict(), p.key) for p in spec.points()]
+    values = {0: (0.90, 0.92), 1: (0.94, 0.95), 2: (0.95, 0.97)}
+    for i, (a, b) in values.items():
+        _add(study, cells[i], 0, a, study_dir=study_dir)
+        _add(study, cells[i], 1, b, study_dir=study_dir)
+    _add(study, cells[0], 0, 0.99, study_dir=study_dir)  # a repeat of a finished run: ignored
+    _add(study, cells[1], 0, None, state=TrialState.FAIL, outcome="failed", study_dir=study_dir)
+    data = load_study_data(study_dir)
+    assert len(data.runs) == 6 and data.duplicates == [6]
+    assert report_main([str(study_dir), "--no-tensorboard"]) == 0
+    out = capsys.readouterr().out
+    assert "| SGD | 0.05 | 91.00 ± 1.41 |" in out
+    assert "| MuonEq-Nes | 0.05 | **96.00 ± 1.41** (+1.50) |" in out
+    assert "trials [6] repeat a finished run" in out
+    for name in ("table_ablation.md", "table_ablation.tex", "report.md"):
+        assert (study_dir / "report" / name).exists()
+    # The sweep file works as the target too (its report section is the one used).
+    report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"))
+    assert (report.out_dir / "tensorboard").is_dir()
+    assert [label for label, _, _ in report.tables[0].rows] == ["SGD", "Muon-Nes", "MuonEq-Nes"]

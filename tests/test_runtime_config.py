@@ -1,0 +1,152 @@
+"""Config composition from conf/, typed validation and the errors users see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from muoneq.registry import OPTIMIZERS
+from muoneq.runtime.config import ConfigError, compose, conf_dir
+from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
+from muoneq.runtime.tasks import BUILTIN_TASKS
+
+CONF = conf_dir()
+PAPER = ("experiment=cifar10_resnet18",)
+
+
+def test_experiment_pins_the_paper_cifar_table():
+    expected = {  # Table tab:resnet18_cifar10_hyperparameters (+ weight decay of the script)
+        "sgd": {"lr": 5e-2, "momentum": 0.9, "weight_decay": 1e-4},
+        "adamw": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 1e-4},
+        "muon": {"lr": 5e-2, "momentum": 0.9, "nesterov": False, "mode": "none"},
+        "muon_nes": {"lr": 5e-2, "momentum": 0.9, "nesterov": True, "mode": "none"},
+        "muoneq_nes": {"lr": 5e-2, "momentum": 0.9, "nesterov": True, "mode": "R", "eps": 1e-8,
+                       "adamw_betas": [0.9, 0.95], "lr_adjust": "none"},
+    }
+    for name, values in expected.items():
+        cfg = compose([*PAPER, f"optimizer={name}"])
+        assert cfg.optimizer.name == name
+        for key, value in values.items():
+            assert cfg.optimizer[key] == value, (name, key)
+        assert cfg.task.data.batch_size == 128 and cfg.trainer.max_epochs == 100
+        assert cfg.schedule.warmup_steps == 0 and cfg.schedule.name.value == "cosine"
+        if OPTIMIZERS[name].hybrid:
+            assert cfg.optimizer.routing.value == "all_matrices"
+    assert compose(PAPER).optimizer.name == "muoneq_nes"  # the experiment's default
+
+
+def test_precedence_command_line_over_experiment_over_group_files():
+    cfg = compose([*PAPER, "optimizer=muoneq_nes", "optimizer.lr=0.01", "optimizer.mode=RC",
+                   "trainer.devices=4", "seed=2"])
+    assert cfg.optimizer.lr == 0.01 and cfg.optimizer.mode == "RC"
+    assert cfg.trainer.devices == 4 and cfg.seed == 2
+    assert cfg.optimizer.ns_steps == 5  # from conf/optimizer/muoneq_nes.yaml
+    assert cfg.run.name.startswith("cifar10_resnet18-muoneq_nes-seed2-")
+    assert "optimizer.mode=RC" in cfg.run.name  # runs differing by overrides do not collide
+    assert compose([*PAPER, "seed=1"]).run.name == "cifar10_resnet18-muoneq_nes-seed1"
+    assert compose([*PAPER, "run.dir=/x/y"]).run.dir == "/x/y"
+    # without the experiment, the optimizer file's paper defaults (LLaMA2-130M table) apply
+    plain = compose(["task=cifar10", "optimizer=muoneq_nes", "trainer.max_steps=10"])
+    assert plain.optimizer.lr == 3e-3 and plain.optimizer.momentum == 0.95
+    assert plain.optimizer.lr_adjust == "rms" and plain.optimizer.routing.value == "default"
+
+
+def test_config_file_outside_conf(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("defaults: {task: cifar10, optimizer: adamw}\ntrainer: {max_steps: 7}\n")
+    cfg = compose([f"experiment={path}"])
+    assert cfg.optimizer.name == "adamw" and cfg.trainer.max_steps == 7
+    assert cfg.run.name.startswith("mine-adamw-seed0")
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "optimizer").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_optimizer_file_composes_and_builds(path):
+    cfg = compose(["task=cifar10", f"optimizer={path.stem}", "trainer.max_steps=1"])
+    assert cfg.optimizer.name in OPTIMIZERS
+    # every key of the file reaches the optimizer unchanged
+    for key, value in OmegaConf.load(path).items():
+        assert OmegaConf.to_container(cfg.optimizer, enum_to_str=True)[key] == value, key
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = build_optimizer_from_config(model, cfg.optimizer)
+    assert isinstance(opt, OPTIMIZERS[cfg.optimizer.name].factory)
+    assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
+
+
+def test_every_registered_optimizer_and_task_has_a_file():
+    assert {p.stem for p in (CONF / "optimizer").glob("*.yaml")} >= set(OPTIMIZERS)
+    task_names = {OmegaConf.load(p).get("name", p.stem) for p in (CONF / "task").glob("*.yaml")}
+    assert task_names >= set(BUILTIN_TASKS)
+
+
+def test_schema_types_come_from_the_signature():
+    schema = OmegaConf.structured(optimizer_schema("sgd"))
+    assert OmegaConf.get_type(schema, "momentum") is float  # default 0 but annotated float
+    merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(["momentum=1"]))  # int accepted
+    assert merged.momentum == 1.0 and isinstance(merged.momentum, float)
+    muoneq = OmegaConf.structured(optimizer_schema("muoneq"))
+    assert muoneq.ns_dtype == "bfloat16" and muoneq.mode == "R" and muoneq.nesterov is False
+    assert "routing" in muoneq and "routing" not in schema  # routing only for hybrid methods
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["optimizer.lrr=1"], ["optimizer.lrr", "Did you mean: 'lr'", "allowed keys:", "momentum"]),
+        (["task.data.bs=3"], ["task.data.bs", "batch_size", "root"]),
+        (["trainer.max_epoch=3"], ["trainer.max_epoch", "max_epochs"]),
+        (["optimizer.lr=abc"], ["optimizer.lr", "'abc'"]),
+        (["task.data.batch_size=1.5"], ["task.data.batch_size", "1.5"]),
+        (["optimizer=adamx"], ["optimizer=adamx", "did you mean 'adamw'", "muoneq_nes"]),
+        (["optimizer.mode=X"], ["optimizer.mode", "'X'", "R", "RC"]),
+        (["optimizer.momentum=1.5"], ["optimizer.momentum", "1.5"]),
+        (["optimizer.ns_dtype=float8"], ["optimizer.ns_dtype", "bfloat16"]),
+        (["trainer.strategy=dp"], ["trainer.strategy", "'dp'", "ddp", "fsdp2"]),
+        (["trainer.precision=bf17"], ["trainer.precision", "bf16-mixed"]),
+        (["trainer.devices=two"], ["trainer.devices", "'two'"]),
+        (["resume=sometimes"], ["resume", "auto", "never"]),
+        (["optimizer=sgd", "optimizer.routing=default"], ["optimizer.routing", "nesterov"]),
+        (["optimizer=sgd", "optimizer.lr=-1"], ["optimizer (sgd)", "learning rate"]),
+        (["task.model.width=0"], ["task.model.width", "≥ 1"]),
+        (["trainer.max_epochs=null"], ["trainer.max_epochs", "max_steps"]),
+        (["optimizer.name=adamw"], ["optimizer=<file>"]),
+        (["oops"], ["'oops'", "key=value"]),
+    ],
+)
+def test_config_errors_name_the_key_and_the_allowed_values(args, needles):
+    with pytest.raises(ConfigError) as err:
+        compose([*PAPER, *args])
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_group_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no task chosen.*cifar10_resnet18"):
+        compose(["optimizer=adamw", "trainer.max_steps=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: {model: x}\n")
+    with pytest.raises(ConfigError, match="defaults.model: unknown group; allowed: task"):
+        compose([f"experiment={bad}"])
+    bad.write_text("task: {name: cifar10}\ntrainr: {max_steps: 1}\n")
+    with pytest.raises(ConfigError, match=f"{bad}: trainr: .*allowed keys:.*trainer"):
+        compose([f"experiment={bad}", "task=cifar10"])
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys):
+    from muoneq.cli import main
+
+    assert main(["train", *PAPER, "optimizer.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "optimizer.lrr" in err and "Traceback" not in err
+    assert main(["train", *PAPER, "--print-config", "optimizer=sgd"]) == 0
+    out = capsys.readouterr().out
+    assert "name: sgd" in out and "max_epochs: 100" in out
+    assert main(["train", "--help"]) == 0
+    assert "cifar10_resnet18" in capsys.readouterr().out
+
+
+def test_conf_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUONEQ_CONF_DIR", str(tmp_path))
+    assert conf_dir() == Path(tmp_path)

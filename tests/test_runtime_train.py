@@ -1,0 +1,222 @@
+"""End-to-end runs on CPU: every experiment file, the run folder, resume, 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from runtime_helpers import TINY_RUNS, tiny_cifar10
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from muoneq.runtime import RunFolderError, compose, conf_dir, train
+from muoneq.runtime.run import find_resume_checkpoint
+from muoneq.tasks.vision.cifar10_data import load_cifar10, normalize
+from muoneq.tasks.vision.resnet import CifarResNet
+
+EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny networks run fastest on one thread on a shared CPU (and bitwise reproducibly)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(tmp_path: Path, *extra: str) -> list[str]:
+    return ["experiment=cifar10_resnet18", *tiny_cifar10(tmp_path), *extra]
+
+
+class Losses(L.Callback):
+    """Training loss of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.by_step[trainer.global_step] = float(outputs["loss"])
+
+
+class StopAt(L.Callback):
+    """Crash the run at a given optimizer step (as a failure or a kill would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("stopped by the test")
+
+
+def state_of(checkpoint: Path) -> dict:
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def evaluate(checkpoint: Path, data_root: str, width: int, blocks: list[int]) -> float:
+    """Top-1 accuracy of a checkpoint's network on the whole test set, in one process."""
+    model = CifarResNet(blocks=blocks, width=width)
+    state = {k.removeprefix("model."): v for k, v in state_of(checkpoint).items()
+             if k.startswith("model.")}
+    model.load_state_dict(state)
+    model.eval()
+    data = load_cifar10(data_root)
+    with torch.no_grad():
+        predictions = model(normalize(data.x_test)).argmax(-1)
+    return (predictions == data.y_test).float().mean().item()
+
+
+# ----------------------------------------------------------------------------- experiments
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_every_experiment_runs_one_tiny_step(tmp_path, path):
+    task_file = OmegaConf.load(path).defaults.task
+    task = OmegaConf.load(conf_dir() / "task" / f"{task_file}.yaml").get("name", task_file)
+    assert task in TINY_RUNS, f"add a tiny-run entry for task {task!r} to tests/runtime_helpers.py"
+    cfg = compose([
+        f"experiment={path.stem}", *TINY_RUNS[task](tmp_path), "trainer.max_epochs=null",
+        "trainer.max_steps=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+        f"run.dir={tmp_path / 'run'}",
+    ])
+    metrics = train(cfg)
+    assert metrics["global_step"] == 1 and metrics["status"] == "finished"
+    assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["final"] is not None and np.isfinite(metrics["final"])
+
+
+# ----------------------------------------------------------------------------- run folder
+def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path):
+    run = tmp_path / "run"
+    cfg = compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}", "seed=3",
+                       "trainer.log_every_n_steps=2"))
+    metrics = train(cfg, argv=["experiment=cifar10_resnet18", "seed=3"])
+
+    saved = json.loads((run / "metrics.json").read_text())
+    assert saved == metrics
+    assert saved["monitor"] == "val/acc" and saved["monitor_mode"] == "max"
+    assert saved["global_step"] == 12 and saved["epochs"] == 3 and saved["world_size"] == 1
+    for key in ("best", "final", "test/acc", "test/loss", "step_time_s", "peak_memory_gb",
+                "wall_clock_s", "train_seconds"):
+        assert isinstance(saved[key], float) and saved[key] >= 0, key
+    assert saved["best"] >= saved["final"]  # max over the epochs' val/acc
+    assert saved["peak_memory_kind"] == "host_rss"
+
+    # test/acc is the final weights' accuracy on every test image, recomputed independently
+    last = run / "checkpoints" / "last-step000000012.ckpt"
+    assert find_resume_checkpoint(run) == last and (run / "checkpoints" / "best.ckpt").is_file()
+    data_root = cfg.task.data.root
+    assert saved["test/acc"] == pytest.approx(evaluate(last, data_root, 4, [1]), abs=1e-6)
+
+    written = OmegaConf.load(run / "config.yaml")
+    assert written.seed == 3 and written.optimizer.name == "muoneq_nes"
+    assert written.provenance.muoneq_version == saved["muoneq_version"]
+    assert written.provenance.command == "muoneq train experiment=cifar10_resnet18 seed=3"
+    assert len(written.provenance.git_commit or "") in (0, 40)
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/acc", "test/acc", "metrics/best", "perf/step_time_s"} <= tags
+    hparams = set(events.PluginTagToContent("hparams"))
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hparams
+
+    # the folder is not reused by accident; resume=auto on a finished run does nothing
+    with pytest.raises(RunFolderError, match="finished run"):
+        train(cfg)
+    again = train(compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}", "seed=3",
+                               "resume=auto")))
+    assert again == saved
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Reference run: 3 epochs of 4 steps, every step's loss and the final weights."""
+    tmp = tmp_path_factory.mktemp("reference")
+    torch.set_num_threads(1)
+    losses = Losses()
+    train(compose(tiny(tmp, "trainer.max_epochs=3", f"run.dir={tmp / 'run'}")),
+          callbacks=[losses])
+    return tmp, losses.by_step, state_of(tmp / "run" / "checkpoints" / "last-step000000012.ckpt")
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "stop", "resumed_from"),
+    [(["trainer.checkpoint_every_n_steps=3"], 8, 6),  # mid-epoch checkpoint (epoch 1, batch 2)
+     ([], 7, 4)],  # end-of-epoch checkpoint
+)
+def test_resume_continues_the_same_trajectory(uninterrupted, tmp_path, checkpointing, stop,
+                                              resumed_from):
+    data_dir, reference_losses, reference_state = uninterrupted
+    args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={tmp_path / 'run'}", *checkpointing)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(stop)])
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    with pytest.raises(RunFolderError, match="resume=auto"):
+        train(compose(args))
+
+    losses = Losses()
+    metrics = train(compose([*args, "resume=auto"]), callbacks=[losses])
+    assert min(losses.by_step) == resumed_from + 1
+    for step, loss in losses.by_step.items():
+        assert loss == reference_losses[step], step  # bitwise: same batches, same updates
+    state = state_of(tmp_path / "run" / "checkpoints" / "last-step000000012.ckpt")
+    assert state.keys() == reference_state.keys()
+    for key in state:
+        assert torch.equal(state[key], reference_state[key]), key
+    assert metrics["global_step"] == 12
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(uninterrupted, tmp_path):
+    """A real process killed mid-run (possibly while writing a checkpoint) resumes exactly."""
+    data_dir, reference_losses, reference_state = uninterrupted
+    args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={tmp_path / 'run'}",
+                "trainer.checkpoint_every_n_steps=1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "muoneq", "train", *args], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 120
+    while not list(checkpoints.glob("last-step*.ckpt")) and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "run" / "metrics.json").exists(), "the run ended before the kill"
+
+    losses = Losses()
+    train(compose([*args, "resume=auto"]), callbacks=[losses])
+    for step, loss in losses.by_step.items():
+        assert loss == reference_losses[step], step
+    state = state_of(checkpoints / "last-step000000012.ckpt")
+    for key in state:
+        assert torch.equal(state[key], reference_state[key]), key
+
+
+# ----------------------------------------------------------------------------- DDP
+@pytest.mark.distributed
+def test_two_process_ddp_on_cpu(tmp_path):
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp",
+                "trainer.max_epochs=2", f"run.dir={run}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "muoneq", "train", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("muoneq train: finished") == 1  # printed by rank 0 only
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_step"] == 8  # 32 images / 16 per step
+    # the sharded evaluation (no padding, sums all-reduced) equals a one-process evaluation
+    last = find_resume_checkpoint(run)
+    data_root = next(a.split("=", 1)[1] for a in args if a.startswith("task.data.root="))
+    assert metrics["test/acc"] == pytest.approx(evaluate(last, data_root, 4, [1]), abs=1e-6)

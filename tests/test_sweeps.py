@@ -1,0 +1,411 @@
+"""The sweep driver on real trial processes (tests/test_sweeps_trial_program.py).
+
+Covers: the sweep-file schema and its errors; a grid study (complete, retried failure, nothing
+repeated on re-run); duplicates skipped; TPE; pruning by global step; SIGKILL of the driver
+mid-study and resume; two driver processes sharing a study on the journal file and on a real
+PostgreSQL server started by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+import muoneq
+from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
+from muoneq.sweeps.storage import open_storage
+
+PROGRAM = Path(__file__).with_name("test_sweeps_trial_program.py")
+REPO = Path(__file__).resolve().parents[1]
+COMMAND = f"{{python}} {PROGRAM} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+
+
+def write_sweep(path: Path, **fields) -> Path:
+    spec = {
+        "study": "tiny",
+        "experiment": "teacher",
+        "overrides": ["steps=20"],
+        "seeds": [0, 1],
+        "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.02]}],
+        "objective": {"metric": "val_loss", "direction": "minimize"},
+        "launch": {"command": COMMAND},
+        "retry": {"max_retries": 1, "heartbeat_s": 0.5, "stale_after_s": 5.0},
+    }
+    spec.update(fields)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def options(tmp_path: Path, **kw) -> DriverOptions:
+    return DriverOptions(runs_dir=tmp_path / "runs", poll_s=0.2, tick_s=0.1, **kw)
+
+
+def load(tmp_path: Path, study: str = "tiny", storage: str | None = None) -> optuna.Study:
+    return optuna.load_study(study_name=study,
+                             storage=open_storage(storage, tmp_path / "runs" / study))
+
+
+def completed_by_key(study: optuna.Study) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        out.setdefault(t.user_attrs["run_key"], []).append(t)
+    return out
+
+
+def assert_each_run_once(study: optuna.Study, study_dir: Path, expected: int) -> None:
+    """One COMPLETE trial per run, its value = metrics.json, each folder executed once."""
+    done = completed_by_key(study)
+    assert len(done) == expected and all(len(v) == 1 for v in done.values()), done
+    for (t,) in done.values():
+        (rel,) = t.user_attrs["run_dirs"]
+        run_dir = study_dir / rel
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert t.value == metrics["val_loss"] == t.user_attrs["metrics"]["val_loss"]
+        starts = (run_dir / "starts.log").read_text().splitlines()
+        assert len(starts) == 1 + (run_dir / "failed_once").exists(), (run_dir, starts)
+
+
+# ------------------------------------------------------------------------------------ schema
+def test_points_are_the_union_of_blocks_with_seeds_apart(tmp_path):
+    path = write_sweep(tmp_path / "s.yaml", grid=[
+        {"optimizer": ["sgd"], "optimizer.lr": [0.1, 0.05]},
+        {"optimizer": ["muoneq_nes"], "optimizer.mode": ["R", "C"], "optimizer.lr": [5e-2]},
+        {"optimizer": ["sgd"], "optimizer.lr": [0.05]},  # repeats a point of block 0
+    ])
+    spec = load_sweep(path, ["seeds=[3,4,5]"])
+    keys = [p.key for p in spec.points()]
+    assert keys == [
+        "optimizer=sgd optimizer.lr=0.1",
+        "optimizer=sgd optimizer.lr=0.05",
+        "optimizer=muoneq_nes optimizer.lr=0.05 optimizer.mode=R",
+        "optimizer=muoneq_nes optimizer.lr=0.05 optimizer.mode=C",
+    ]  # axes in order of first appearance, whatever the block's order
+    assert spec.axes() == ["optimizer", "optimizer.lr", "optimizer.mode"]
+    assert spec.seeds == [3, 4, 5]
+    point = spec.points()[2]
+    assert point.overrides() == ["optimizer=muoneq_nes", "optimizer.lr=0.05", "optimizer.mode=R"]
+    assert "/" not in point.slug() and " " not in point.slug()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"gird": []}, ["gird", "grid"]),
+    ({"objective": {"metric": "x", "direction": "up"}}, ["objective.direction", "maximize"]),
+    ({"grid": [{"seed": [0, 1]}]}, ["seeds are their own axis"]),
+    ({"grid": [{"optimizer.lr": []}]}, ["grid[0].optimizer.lr", "non-empty"]),
+    ({"launch": {"command": "{python} -m x {overrides} run.dir={run_dir} {gpu}"}},
+     ["unknown placeholder {gpu}", "devices"]),
+    ({"launch": {"command": "{python} x --o={overrides} {run_dir}"}}, ["word of its own"]),
+    ({"search": {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1e-1}}}},
+     ["exactly one of 'grid'"]),
+    ({"report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}]}},
+     ["report.heatmaps.y='optimizer.momentum' is not a search axis"]),
+    ({"seeds": [0, 0]}, ["without repeats"]),
+])
+def test_sweep_file_errors_name_the_field(tmp_path, fields, words):
+    path = write_sweep(tmp_path / "s.yaml", **fields)
+    with pytest.raises(SweepError) as err:
+        load_sweep(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+#: paper artifact → (runs, objective metric)
+SWEEP_FILES = {
+    "ablation-cifar10": (99, "test/acc"),
+    "ablation-gpt2": (96, "val/ppl"),
+    "heatmap-gpt2": (64, "val/ppl"),
+    "ksweep-gpt2": (12, "val/ppl"),
+    "lrsweep-llama130m": (42, "val/ppl"),
+    "lrsweep-llama350m": (36, "val/ppl"),
+    "table-llama": (24, "best_val_ppl"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP_FILES))
+def test_paper_sweep_files_compose_with_the_runtime(name):
+    """Each sweep file has its paper size, and every kind of trial it launches is a valid
+    ``muoneq train`` config (experiment, optimizer and override keys all exist)."""
+    compose = pytest.importorskip("muoneq.runtime.config").compose
+    spec = load_sweep(REPO / "sweeps" / f"{name}.yaml")
+    runs, metric = SWEEP_FILES[name]
+    assert spec.study == name
+    assert len(spec.points()) * len(spec.seeds) == runs
+    assert spec.objective.metric == metric
+    assert spec.report.tables or spec.report.heatmaps or spec.report.lines
+    kinds = {}
+    for p in spec.points():
+        d = p.as_dict()
+        kinds.setdefault((spec.experiment_of(p), d["optimizer"], tuple(d)), p)
+    for p in kinds.values():
+        assert p.as_dict()["optimizer"] in muoneq.OPTIMIZERS
+        cfg = compose([f"experiment={spec.experiment_of(p)}", *spec.overrides, *p.overrides(),
+                       "seed=0", "run.dir=/nonexistent", "resume=auto"])
+        for key, value in p.as_dict().items():
+            if key.startswith("optimizer."):
+                assert cfg.optimizer[key.split(".", 1)[1]] == value
+
+
+# ------------------------------------------------------------------------------- grid study
+@pytest.mark.slow
+def test_grid_study_completes_retries_and_resumes_without_repeats(tmp_path):
+    grid = [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]},
+            {"optimizer": ["adamw"], "optimizer.lr": [0.01], "fail_first": [True]}]
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0]))
+    summary = Driver(spec, options(tmp_path, workers=2)).run()
+    assert (summary.total, summary.done, summary.exhausted, summary.exit_code) == (2, 2, [], 0)
+    study_dir = tmp_path / "runs" / "tiny"
+    study = load(tmp_path)
+    assert_each_run_once(study, study_dir, expected=2)
+    failed = [t for t in study.get_trials(states=(TrialState.FAIL,))]
+    assert [t.user_attrs["outcome"] for t in failed] == ["failed"]
+    assert all("exited with status 3" in t.user_attrs["message"] for t in failed)
+    assert all("optimizer=adamw" in t.user_attrs["run_key"] for t in failed)
+    # Re-running the finished study launches nothing and adds no trial.
+    n_trials = len(study.get_trials())
+    again = Driver(spec, options(tmp_path, workers=2)).run()
+    assert again.done == 2 and len(load(tmp_path).get_trials()) == n_trials
+    assert_each_run_once(load(tmp_path), study_dir, expected=2)
+
+
+@pytest.mark.slow
+def test_duplicate_points_are_skipped(tmp_path):
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
+        {"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]))
+    driver = Driver(spec, options(tmp_path, workers=2))
+    cell = spec.points()[0].key
+    for _ in range(3):  # what racing workers produce: the same point handed out thrice
+        driver.study.enqueue_trial({"cell": cell, "seed": 0})
+    assert driver.run().done == 1
+    study = load(tmp_path)
+    outcomes = sorted(t.user_attrs.get("outcome") for t in study.get_trials())
+    assert outcomes == ["complete", "skipped", "skipped"]
+    assert_each_run_once(study, tmp_path / "runs" / "tiny", expected=1)
+
+
+@pytest.mark.slow
+def test_open_search_uses_tpe_and_stops_on_the_budget(tmp_path):
+    search = {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 5e-2,
+                                          "log": True}},
+              "n_trials": 2, "n_startup_trials": 1, "sampler_seed": 0}
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=[], search=search, seeds=[0],
+                                  overrides=["steps=20", "optimizer=muoneq_nes"]))
+    driver = Driver(spec, options(tmp_path, workers=2))
+    assert isinstance(driver.study.sampler, optuna.samplers.TPESampler)
+    assert driver.run().done == 2
+    trials = load(tmp_path).get_trials(states=(TrialState.COMPLETE,))
+    assert len(trials) == 2 and len(load(tmp_path).get_trials()) == 2
+    for t in trials:
+        assert 1e-3 <= t.params["optimizer.lr"] <= 5e-2
+        run_dir = tmp_path / "runs" / "tiny" / t.user_attrs["run_dirs"][0]
+        assert t.value == json.loads((run_dir / "metrics.json").read_text())["val_loss"]
+
+
+@pytest.mark.slow
+def test_pruning_by_global_step_stops_a_hopeless_run(tmp_path):
+    grid = [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]},
+            {"optimizer": ["sgd"], "optimizer.lr": [1e-6], "steps": [60], "sleep_s": [0.1]}]
+    prune = {"enabled": True, "tag": "val_loss", "pruner": "median", "n_startup_trials": 1,
+             "poll_s": 0.2}
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0], prune=prune))
+    driver = Driver(spec, options(tmp_path, workers=1))
+    # The good run goes first (GridSampler's order is its own) and gives the median a curve.
+    driver.study.enqueue_trial({"cell": spec.points()[0].key, "seed": 0})
+    summary = driver.run()
+    assert summary.done == 2
+    study = load(tmp_path)
+    (pruned,) = study.get_trials(states=(TrialState.PRUNED,))
+    assert "optimizer=sgd" in pruned.user_attrs["run_key"]
+    steps = sorted(pruned.intermediate_values)
+    assert steps and steps[0] >= 1 and steps[-1] < 60  # reported by global step, stopped early
+    run_dir = tmp_path / "runs" / "tiny" / pruned.user_attrs["run_dirs"][0]
+    assert not (run_dir / "metrics.json").exists()
+
+
+# ------------------------------------------------------------------- crashes, shared studies
+def sweep_cli(sweep: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "muoneq", "sweep", str(sweep), "--runs-dir",
+            str(tmp_path / "runs"), "--poll", "0.2", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_driver_loses_and_repeats_nothing(tmp_path):
+    sweep = write_sweep(tmp_path / "s.yaml", overrides=["steps=20", "sleep_s=0.1"])
+    study_dir = tmp_path / "runs" / "tiny"
+    proc = subprocess.Popen(sweep_cli(sweep, tmp_path, "--workers", "2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(list(study_dir.glob("trials/*/*/metrics.json"))) < 1:
+        assert proc.poll() is None and time.time() < deadline, "the study never got going"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns)
+              for p in study_dir.glob("trials/*/*/metrics.json")}
+    assert len(before) < 4
+    done = subprocess.run(sweep_cli(sweep, tmp_path, "--workers", "2"), capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_each_run_once(load(tmp_path), study_dir, expected=4)
+    for path, (content, mtime) in before.items():
+        assert (path.read_bytes(), path.stat().st_mtime_ns) == (content, mtime)
+
+
+#: three runs for two drivers of one worker each: both get work
+SHARED = {"overrides": ["steps=20", "sleep_s=0.1"], "seeds": [0, 1, 2],
+          "grid": [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]}
+
+
+def _two_drivers(sweep: Path, tmp_path: Path, *extra: str) -> None:
+    procs = [subprocess.Popen(sweep_cli(sweep, tmp_path, "--workers", "1", *extra),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+
+
+def _check_shared(study: optuna.Study, study_dir: Path) -> None:
+    assert_each_run_once(study, study_dir, expected=3)
+    drivers = {t.user_attrs["driver"] for t in study.get_trials(states=(TrialState.COMPLETE,))}
+    assert len(drivers) == 2, f"both drivers should have run trials, got {drivers}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_drivers_share_a_study_on_the_journal_file(tmp_path):
+    sweep = write_sweep(tmp_path / "s.yaml", **SHARED)
+    _two_drivers(sweep, tmp_path)
+    _check_shared(load(tmp_path), tmp_path / "runs" / "tiny")
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throw-away PostgreSQL 15 server on 127.0.0.1 (initdb refuses root: run as nobody)."""
+    bindir = Path("/usr/lib/postgresql/15/bin")
+    if not (bindir / "initdb").exists():
+        pytest.skip(f"PostgreSQL 15 server binaries not found in {bindir} "
+                    "(Debian: apt-get install postgresql-15)")
+    pytest.importorskip("psycopg", reason="pip install 'muoneq[postgres]'")
+    as_user: list[str] = []
+    root = Path(tempfile.mkdtemp(prefix="muoneq-pg-"))  # /tmp itself: reachable by nobody
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            shutil.rmtree(root)
+            pytest.skip("running as root without runuser: cannot start PostgreSQL as nobody")
+        nobody = pwd.getpwnam("nobody")
+        os.chown(root, nobody.pw_uid, nobody.pw_gid)
+        as_user = ["runuser", "-u", "nobody", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = root / "data"
+    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust",
+                    "-U", "postgres", "--no-sync", "-E", "UTF8"], check=True,
+                   capture_output=True)
+    subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l",
+                    str(root / "server.log"), "-w", "-o",
+                    f"-h 127.0.0.1 -p {port} -k {root} -F", "start"], check=True,
+                   capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w",
+                        "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_drivers_share_a_study_on_postgresql(tmp_path, postgres_url):
+    sweep = write_sweep(tmp_path / "s.yaml", study="tiny-pg", **SHARED)
+    _two_drivers(sweep, tmp_path, "--storage", postgres_url)
+    study = optuna.load_study(study_name="tiny-pg", storage=postgres_url)
+    _check_shared(study, tmp_path / "runs" / "tiny-pg")
+    assert not (tmp_path / "runs" / "tiny-pg" / "optuna.journal").exists()
+
+
+def test_dry_run_lists_runs_and_the_first_command(capsys):
+    from muoneq.sweeps.cli import main
+
+    assert main([str(REPO / "sweeps" / "ablation-cifar10.yaml"), "--dry-run",
+                 "--set", "seeds=[0]", "--override", "trainer.max_epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert "33 points × 1 seeds = 33 runs" in out
+    first = next(line for line in out.splitlines() if line.startswith("first command:"))
+    assert " -m muoneq train experiment=cifar10_resnet18 trainer.max_epochs=1 optimizer=sgd " \
+           "optimizer.lr=0.1 seed=0 run.dir=runs/ablation-cifar10/trials/" in first
+    assert first.endswith("/seed0 resume=auto")
+
+
+def test_a_study_refuses_changed_fixed_settings(tmp_path):
+    Driver(load_sweep(write_sweep(tmp_path / "s.yaml")), options(tmp_path))
+    changed = load_sweep(write_sweep(tmp_path / "s.yaml", overrides=["steps=30"]))
+    with pytest.raises(SweepError, match=r"other overrides: .*steps=20.*steps=30.*new study"):
+        Driver(changed, options(tmp_path))
+    grown = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0, 1, 2]))  # may grow
+    assert len(Driver(grown, options(tmp_path)).expected) == 6
+
+
+def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
+    from muoneq.sweeps.driver import trial_command
+
+    torchrun = ("torchrun --standalone --nproc_per_node={nproc} -m muoneq train "
+                "experiment={experiment} {overrides} seed={seed} run.dir={run_dir} resume=auto")
+    launch = {"command": torchrun, "nproc": 2, "devices_per_trial": 2,
+              "env": {"NCCL_DEBUG": "WARN"}}
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", launch=launch))
+    driver = Driver(spec, options(tmp_path, workers=2, devices=["0", "1", "2", "3"]))
+    assert driver._slots == [["0", "1"], ["2", "3"]]
+    point = spec.points()[1]
+    argv, env, fingerprint = trial_command(spec, point, 1, Path("runs/x"), devices=["2", "3"],
+                                           worker=1)
+    assert argv == ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "muoneq", "train",
+                    "experiment=teacher", "steps=20", "optimizer=muoneq_nes",
+                    "optimizer.lr=0.02", "seed=1", "run.dir=runs/x", "resume=auto"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NCCL_DEBUG"] == "WARN"
+    assert fingerprint == {"experiment": "teacher", "seed": 1,
+                           "overrides": ["steps=20", "optimizer=muoneq_nes", "optimizer.lr=0.02"]}
+    with pytest.raises(SweepError, match="needs 6 devices, found 4"):
+        Driver(spec, options(tmp_path, workers=3, devices=["0", "1", "2", "3"]))
+
+    srun = "srun --nodes={nodes} --ntasks-per-node={nproc} {python} -m muoneq train {overrides} " \
+           "run.dir={run_dir}"
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", launch={"command": srun,
+                                                               "vars": {"nodes": 2}}))
+    argv, _, _ = trial_command(spec, spec.points()[0], 0, Path("d"))
+    assert argv[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"] and argv[-1] == "run.dir=d"
+
+
+@pytest.mark.slow
+def test_a_run_finished_after_its_driver_died_is_told_not_rerun(tmp_path):
+    from muoneq.sweeps.driver import trial_command
+
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
+        {"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]))
+    dead = Driver(spec, options(tmp_path))
+    kind, trial, point, seeds, key = dead._next_job(0)  # asked and recorded as dead's trial
+    run_dir = dead._run_dir(point, 0)
+    argv, env, _ = trial_command(spec, point, 0, run_dir)
+    subprocess.run(argv, env=env, check=True, capture_output=True)  # the process finishes,
+    # but its driver died before telling: it never held its lock file, as after a SIGKILL.
+    summary = Driver(spec, options(tmp_path)).run()
+    assert (summary.done, summary.total) == (1, 1)
+    (t,) = load(tmp_path).get_trials()
+    assert (t.number, t.state) == (trial.number, TrialState.COMPLETE)
+    assert t.value == json.loads((run_dir / "metrics.json").read_text())["val_loss"]
+    assert (run_dir / "starts.log").read_text().count("\n") == 1
