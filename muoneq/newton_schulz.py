@@ -127,6 +127,16 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     return NSSchedule(spec)
 
 
+def dtype_name(dtype) -> str:
+    """The canonical name (``"bfloat16"``, …) of an allowed ``ns_dtype``.
+
+    Param groups keep the name, not the ``torch.dtype``: ``torch.distributed.checkpoint``
+    refuses dtype objects in an optimizer state dict (FSDP2 checkpoints).
+    """
+    resolved = resolve_dtype(dtype)
+    return next(name for name, value in DTYPES.items() if value is resolved)
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …)."""
     if isinstance(dtype, torch.dtype):
@@ -142,11 +152,12 @@ def newton_schulz(
     G: Tensor,
     steps: int = 5,
     coefficients="quintic",
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
 ) -> Tensor:
     """Return ``NS_K(G)`` for a matrix or a batch of matrices ``(..., m, n)``.
 
-    The result has ``G``'s shape and is computed in ``dtype`` (returned in that dtype:
+    The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype`` or its name;
+    returned in that dtype:
     callers cast when applying the update). ``steps=0`` returns the normalized input.
     """
     if G.ndim < 2:
@@ -154,7 +165,7 @@ def newton_schulz(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
     return run_schedule(G, resolve_schedule(normalize_coefficients(coefficients, steps), steps),
-                        dtype)
+                        resolve_dtype(dtype))
 
 
 def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype,
@@ -246,7 +257,7 @@ def newton_schulz_iterates(
             f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
     schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    X = G.to(dtype)
+    X = G.to(resolve_dtype(dtype))
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT

@@ -240,7 +240,7 @@ def test_mode_spellings_are_case_insensitive():
 def test_ns_dtype_names_and_explicit_coefficients():
     p = nn.Parameter(torch.randn(4, 3))
     opt = MuonEq([p], ns_dtype="float32", ns_coefficients=[QUINTIC] * 5)
-    assert opt.param_groups[0]["ns_dtype"] is torch.float32
+    assert opt.param_groups[0]["ns_dtype"] == "float32"
     assert opt.param_groups[0]["ns_coefficients"] == (QUINTIC,) * 5
 
 
@@ -288,3 +288,21 @@ def test_allowed_values_are_listed():
 def test_vectors_in_a_matrix_group_are_an_error_naming_the_shape(shape):
     with pytest.raises(ValueError, match=str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")):
         MuonEq([nn.Parameter(torch.randn(shape))])
+
+
+def test_optimizer_state_round_trips_through_torch_distributed_checkpoint(tmp_path):
+    """FSDP2 checkpoints go through DCP; param groups hold only plain values (dtype by name)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model()
+    opt = MuonEq(_groups(model), lr=0.02, ns_dtype=torch.float32)
+    _train(model, opt, 2, seed=0)
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "ckpt")
+    fresh = MuonEq(_groups(model), lr=0.02, ns_dtype=torch.float32)
+    loaded = {"optim": fresh.state_dict()}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    fresh.load_state_dict(loaded["optim"])
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            assert torch.equal(fresh.state[p][key], value)
+    assert fresh.param_groups[0]["ns_dtype"] == "float32"

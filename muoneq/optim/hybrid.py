@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.newton_schulz import Workspace, normalize_coefficients, resolve_dtype
+from muoneq.newton_schulz import Workspace, dtype_name, normalize_coefficients, resolve_dtype
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 from muoneq.optim.distributed import (
     MatrixSlot,
@@ -209,7 +209,7 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"ns_steps: expected an integer ≥ 0, got {steps!r}")
         group["ns_coefficients"] = normalize_coefficients(group["ns_coefficients"], steps)
-        group["ns_dtype"] = resolve_dtype(group["ns_dtype"])
+        group["ns_dtype"] = dtype_name(group["ns_dtype"])
         if group["lr_adjust"] not in LR_ADJUST:
             raise ValueError(
                 f"lr_adjust: unknown value {group['lr_adjust']!r}; allowed: {', '.join(LR_ADJUST)}"
@@ -351,7 +351,7 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             self._checked_same_gradients = True
         exchange_replicated(
             slots, thunks, lambda items, sink: self._compute(items, group, sink), apply,
-            steps=group["ns_steps"], dtype=group["ns_dtype"], group=pg,
+            steps=group["ns_steps"], dtype=resolve_dtype(group["ns_dtype"]), group=pg,
         )
 
     def _row_sharded_step(self, slots: list[MatrixSlot], group: dict, mesh_dim: int) -> None:
@@ -362,7 +362,7 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             exchange_row_sharded(
                 slots, [lambda s=s: self._m_tilde(s, group) for s in slots],
                 lambda items, sink: self._compute(items, group, sink), apply_rows,
-                steps=group["ns_steps"], dtype=group["ns_dtype"], mesh_dim=mesh_dim,
+                steps=group["ns_steps"], dtype=resolve_dtype(group["ns_dtype"]), mesh_dim=mesh_dim,
             )
             return
         # A method with state of its own: every rank computes every direction from whole

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from muoneq.equilibration import canonical_mode
-from muoneq.newton_schulz import resolve_schedule, run_schedule
+from muoneq.newton_schulz import resolve_dtype, resolve_schedule, run_schedule
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number
 
 
@@ -127,7 +127,7 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """``NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack ``(B, m, n)``."""
-        dtype = group["ns_dtype"]
+        dtype = resolve_dtype(group["ns_dtype"])
         schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
         if self._compiled is not None:
             balanced = diag_pre_cast(m_tilde, group["mode"], group["eps"], dtype)
