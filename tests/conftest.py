@@ -13,6 +13,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and bitwise reproducibly); on a busy shared CPU
+    several threads spin. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

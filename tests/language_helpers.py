@@ -7,19 +7,9 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
-import torch
 
 FORMATS = ("jsonl", "json.gz", "parquet", "txt")
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; on a busy shared CPU, several threads spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 _WORDS = {
     "det": ["the", "a", "every", "no"],

@@ -14,13 +14,7 @@ from muoneq.optim.muoneq import diag_pre_cast
 MODES = ["none", "R", "C", "RC"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is faster and immune to the barrier waits of a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def params_and_grads(shapes, steps=3, dtype=torch.float32):

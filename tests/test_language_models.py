@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from language_helpers import one_thread  # noqa: F401 (an autouse fixture)
 
 from muoneq import MuonEq, param_groups
 from muoneq.tasks.language.base import pad_vocab
 from muoneq.tasks.language.llama import apply_rotary, rotary_cos_sin
 from muoneq.tasks.language.models import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def llama_params(V, d, i, L):

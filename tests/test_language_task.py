@@ -6,10 +6,12 @@ import math
 import lightning as L
 import pytest
 import torch
-from language_helpers import make_documents, one_thread, write_corpus  # noqa: F401 (fixture)
+from language_helpers import make_documents, write_corpus
 
 from muoneq.cli import main as cli
 from muoneq.runtime import compose, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: The paper's appendix tables (LLaMA2 130M/350M/1B on C4, GPT2-small on FineWeb).
 PAPER = {

@@ -2,13 +2,7 @@
 
 import pytest
 import torch
-from language_helpers import (  # noqa: F401 (one_thread: an autouse fixture)
-    FORMATS,
-    make_documents,
-    one_thread,
-    tiny_tiktoken_file,
-    write_corpus,
-)
+from language_helpers import FORMATS, make_documents, tiny_tiktoken_file, write_corpus
 
 from muoneq import MuonEq, param_groups
 from muoneq.cli import main as cli
@@ -23,6 +17,8 @@ from muoneq.tasks.language.data import (
 from muoneq.tasks.language.models import build_model
 from muoneq.tasks.language.shards import find_shards
 from muoneq.tasks.language.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = 32
 

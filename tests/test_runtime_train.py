@@ -26,13 +26,7 @@ from muoneq.tasks.vision.resnet import CifarResNet
 EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny networks run fastest on one thread on a shared CPU (and bitwise reproducibly)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(tmp_path: Path, *extra: str) -> list[str]:

@@ -238,17 +238,7 @@ class Driver:
             return True
         if owner is not None and _attr(t, ATTR_HOST) == self.host:
             # A driver on this machine holds ``drivers/<id>.lock`` for its whole life.
-            path = self._driver_lock_path(owner)
-            if not path.exists():
-                return False
-            fd = os.open(path, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            finally:
-                os.close(fd)
-            return False
+            return launch.lock_is_held(self._driver_lock_path(owner))
         last = _attr(t, ATTR_BEAT)
         if last is None and t.datetime_start is not None:
             last = t.datetime_start.timestamp()

@@ -86,7 +86,11 @@ def check_fingerprint(run_dir: Path, fingerprint: Mapping) -> None:
 
 def is_active(run_dir: Path) -> bool:
     """True while a process (of any driver, dead or alive) still holds the folder's lock."""
-    path = Path(run_dir) / LOCK_NAME
+    return lock_is_held(Path(run_dir) / LOCK_NAME)
+
+
+def lock_is_held(path: Path) -> bool:
+    """True while some process holds an ``flock`` on ``path`` (False if it does not exist)."""
     if not path.exists():
         return False
     fd = os.open(path, os.O_RDWR)
