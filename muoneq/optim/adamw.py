@@ -24,9 +24,7 @@ def init_adamw_state(p: Tensor, state: dict) -> None:
 def adamw_update(
     params: list[Tensor],
     grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
+    states: list[dict],
     *,
     lr: float,
     beta1: float,
@@ -34,9 +32,12 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step for a list of tensors (in place)."""
+    """One AdamW step for a list of tensors (in place); ``states`` as :func:`init_adamw_state`."""
     if not params:
         return
+    exp_avgs = [s["exp_avg"] for s in states]
+    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    steps = [s["step"] for s in states]
     torch._foreach_add_(steps, 1)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)

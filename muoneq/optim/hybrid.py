@@ -50,6 +50,22 @@ BATCHING = ("auto", "per_matrix", "stacked")
 _STACK_ELEMENTS = 1 << 26
 
 
+def evaluate_closure(closure: Callable[[], float] | None):
+    """Lightning's contract for ``optimizer.step(closure)``: run it with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def params_with_grads(group: dict, optimizer: str) -> list[Tensor]:
+    """The group's parameters that have a (dense) gradient this step."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if any(p.grad.is_sparse for p in params):
+        raise RuntimeError(f"{optimizer} does not support sparse gradients")
+    return params
+
+
 def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
     """The factor ``a`` multiplying the learning rate of an m×n matrix update.
 
@@ -245,26 +261,18 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """Perform one optimization step; ``closure`` is evaluated with gradients enabled."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = params_with_grads(group, type(self).__name__)
             if not params:
                 continue
             grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if group["use_muon"]:
                 self._matrix_step(params, grads, group)
             else:
                 beta1, beta2 = group["adamw_betas"]
-                states = [self.state[p] for p in params]
                 adamw_update(
-                    params, grads,
-                    [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                    [s["step"] for s in states],
+                    params, grads, [self.state[p] for p in params],
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
                     weight_decay=group["weight_decay"],
                 )

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.hybrid import _number
+from muoneq.optim.hybrid import _number, evaluate_closure, params_with_grads
 
 
 class MarsAdamW(torch.optim.Optimizer):
@@ -95,16 +95,11 @@ class MarsAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """Perform one optimization step; ``closure`` is evaluated with gradients enabled."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = params_with_grads(group, "MarsAdamW")
             if not params:
                 continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("MarsAdamW does not support sparse gradients")
             beta1, beta2 = group["betas"]
             scale = group["gamma"] * beta1 / (1 - beta1)
             inputs = []
@@ -117,11 +112,8 @@ class MarsAdamW(torch.optim.Optimizer):
                     inputs.append(corrected)
                 else:
                     inputs.append(grad)
-            states = [self.state[p] for p in params]
             adamw_update(
-                params, inputs,
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states],
+                params, inputs, [self.state[p] for p in params],
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
