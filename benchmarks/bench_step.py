@@ -43,9 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from muoneq.equilibration import diag_pre
-from muoneq.newton_schulz import QUINTIC, newton_schulz
+from muoneq.newton_schulz import QUINTIC, newton_schulz, ns_flops
 from muoneq.optim import MuonEq
-from muoneq.optim.distributed import balance, ns_flops
+from muoneq.optim.distributed import balance
 from muoneq.optim.hybrid import lr_scale, matrix_shape
 
 NS_STEPS = 5
@@ -146,6 +146,7 @@ def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
         Contender("MuonEq-R", muoneq("R"), "R"),
         Contender("MuonEq-C", muoneq("C"), "C"),
         Contender("MuonEq-RC", muoneq("RC"), "RC"),
+        Contender("MuonEq-R (gram)", muoneq("R", ns_algorithm="gram"), "R"),
         Contender("paper loop (R)", lambda params, hp: PaperLoopMuonEq(params, **hp), "R"),
     ]
     other = "per_matrix" if device.type != "cpu" else "stacked"
@@ -369,6 +370,8 @@ def table(result: dict) -> str:
                 f"({row['x_torch_gaussian']:.2f}) | {row['err_decay']:.2e} "
                 f"({row['x_torch_decay']:.2f}) |"
             )
+        lines.append("\nGFLOP/s counts the standard NS5 FLOPs (for the Gram order, which does "
+                     "fewer, an effective rate).")
         split = ", ".join(f"W={w}: {d['max_share_over_ideal']:.3f}×"
                           for w, d in data["ddp_split"].items())
         lines.append(f"\nDDP split, busiest rank's NS FLOPs over total/W: {split}")

@@ -21,8 +21,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from muoneq import MuonEq
+from muoneq.newton_schulz import ns_flops
 from muoneq.optim import Mousse, NorMuon
-from muoneq.optim.distributed import balance, ns_flops, shard_rows
+from muoneq.optim.distributed import balance, shard_rows
 
 WORLD = 2
 STEPS = 3

@@ -68,8 +68,9 @@ def test_mode_none_is_bitwise_torch_muon_over_a_set_of_matrices(nesterov):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
 @pytest.mark.parametrize("mode", MODES)
-def test_stacked_batching_matches_per_matrix(mode, monkeypatch):
+def test_stacked_batching_matches_per_matrix(mode, algorithm, monkeypatch):
     # two stacks of one shape (the chunk limit is lowered to 2 matrices), a conv filter, a
     # lone shape
     shapes = [(12, 20)] * 5 + [(8, 3, 2, 2), (20, 12)]
@@ -78,7 +79,7 @@ def test_stacked_batching_matches_per_matrix(mode, monkeypatch):
 
     def make(batching):
         return lambda ps: MuonEq(ps, lr=0.05, mode=mode, ns_dtype=torch.float64,
-                                 batching=batching)
+                                 batching=batching, ns_algorithm=algorithm)
 
     per_matrix, _ = run(make("per_matrix"), values, grads)
     stacked, _ = run(make("stacked"), values, grads)
@@ -202,7 +203,7 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     data = result["sets"]["gpt2_small"]
     names = set(data["contenders"])
     assert {"torch.optim.Muon", "Muon (ours)", "MuonEq-R", "MuonEq-C", "MuonEq-RC",
-            "paper loop (R)"} <= names
+            "MuonEq-R (gram)", "paper loop (R)"} <= names
     for row in data["contenders"].values():
         assert row["ms"] > 0 and row["gflops"] > 0 and row["peak_extra_mb"] >= 0
         assert 0 < row["err_gaussian"] < 0.1 and 0 < row["err_decay"] < 0.5

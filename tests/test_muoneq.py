@@ -37,6 +37,23 @@ def test_matches_float64_transcription(mode, nesterov, wd, shape):
     np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["none", "R", "RC"])
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)])
+def test_gram_order_matches_float64_transcription(mode, shape):
+    X0 = torch.randn(shape, dtype=F64)
+    grads = [torch.randn(shape, dtype=F64) for _ in range(3)]
+    p = nn.Parameter(X0.clone())
+    opt = MuonEq([p], lr=0.03, momentum=0.9, mode=mode, ns_dtype="float64", ns_algorithm="Gram")
+    assert opt.param_groups[0]["ns_algorithm"] == "gram"
+    run_steps(opt, [p], [[g] for g in grads])
+    expected = muoneq_ref(X0.numpy(), [g.numpy() for g in grads], lr=0.03, beta=0.9,
+                          nesterov=True, mode=mode, eps=1e-8, wd=0.1)
+    np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-10, atol=1e-12)
+    gram, standard = (opt._direction_flops(shape, {**opt.param_groups[0], "ns_algorithm": a})
+                      for a in ("gram", "standard"))
+    assert gram < standard
+
+
 @pytest.mark.parametrize("lr_adjust", ["rms", "spectral", "none"])
 def test_conv_filters_are_orthogonalized_as_out_by_in_k_k(lr_adjust):
     X0 = torch.randn(8, 3, 3, 3, dtype=F64)
@@ -175,6 +192,19 @@ def test_state_dict_round_trip_resumes_the_same_trajectory():
         assert torch.equal(a, b)
 
 
+def test_checkpoints_written_before_a_group_key_existed_still_load():
+    model = _model()
+    opt = MuonEq(_groups(model), lr=0.02)
+    _train(model, opt, 1, seed=0)
+    old = copy.deepcopy(opt.state_dict())
+    for group in old["param_groups"]:
+        del group["ns_algorithm"]  # a key added after the checkpoint was written
+    opt2 = MuonEq(_groups(model), lr=0.02)
+    opt2.load_state_dict(old)
+    assert [g["ns_algorithm"] for g in opt2.param_groups] == ["standard", "standard"]
+    _train(model, opt2, 1, seed=1)
+
+
 def test_persistent_state_is_one_buffer_per_matrix_and_two_moments_per_adamw_param():
     model = _model()
     opt = MuonEq(_groups(model), lr=0.02)
@@ -259,6 +289,7 @@ def test_ns_dtype_names_and_explicit_coefficients():
         ({"ns_steps": -1}, "ns_steps"),
         ({"ns_steps": 2.5}, "ns_steps"),
         ({"ns_dtype": "int8"}, "ns_dtype"),
+        ({"ns_algorithm": "fast"}, "ns_algorithm"),
         ({"adamw_betas": (0.9, 1.0)}, "adamw_betas"),
     ],
 )

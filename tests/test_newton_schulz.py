@@ -6,7 +6,7 @@ import torch
 from reference import ns_ref, polar_ref
 
 from muoneq import diag_pre, newton_schulz
-from muoneq.newton_schulz import POLAR_EXPRESS, QUINTIC, TAYLOR
+from muoneq.newton_schulz import POLAR_EXPRESS, QUINTIC, TAYLOR, ns_flops
 
 
 def spectrum_matrix(m, n, singular_values, seed=0):
@@ -113,3 +113,52 @@ def test_equilibration_reduces_ns_error_on_scale_imbalanced_input():
         return np.linalg.norm(X - polar_ref(S.numpy())) / np.sqrt(32)
 
     assert finite_step_error("RC") < finite_step_error("none")
+
+
+# ----------------------------------------------------------------------------- Gram order
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12), (3, 10, 30), (2, 2, 8, 24)])
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+def test_gram_order_is_the_same_polynomial_in_float64(shape, steps, coefficients):
+    G = np.random.default_rng(steps).standard_normal(shape)
+    table = {"quintic": ([QUINTIC] * steps, 1.0),
+             "polar_express": ((POLAR_EXPRESS + (POLAR_EXPRESS[-1],) * 2)[:steps], 1.02)}
+    gram = newton_schulz(torch.from_numpy(G), steps, coefficients, torch.float64,
+                         algorithm="gram").numpy()
+    expected = np.stack([ns_ref(g, *table[coefficients]) for g in G.reshape(-1, *shape[-2:])])
+    np.testing.assert_allclose(gram, expected.reshape(shape), rtol=1e-11, atol=1e-12)
+
+
+def test_gram_flops_match_the_hand_count_and_square_matrices_keep_the_standard_order():
+    m, n = 768, 3072
+    # K = 5 restarts after 3 steps: per segment 4m²n + (8L − 6)m³, L = 3 then 2
+    assert ns_flops((n, m), 5, "gram") == 2 * 4 * m * m * n + (18 + 10) * m**3
+    assert ns_flops((m, n), 5) == 5 * (4 * m * m * n + 2 * m**3)
+    assert ns_flops((m, m), 5, "gram") == ns_flops((m, m), 5)
+    G = torch.randn(48, 48)
+    assert torch.equal(newton_schulz(G, 5, algorithm="gram"), newton_schulz(G, 5))
+
+
+def test_gram_maps_zero_to_zero_and_rejects_unknown_orders():
+    assert torch.equal(newton_schulz(torch.zeros(8, 40), 5, algorithm="gram"),
+                       torch.zeros(8, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="ns_algorithm.*standard, gram"):
+        newton_schulz(torch.randn(4, 8), algorithm="fast")
+
+
+@pytest.mark.parametrize("spectrum", ["gaussian", "decaying"])
+def test_gram_order_in_bfloat16_meets_the_accuracy_rule(spectrum, one_thread):
+    """Within 1.5× the standard bf16 error from a float64 NS5 (issue #4's accuracy rule)."""
+    m, n = 384, 1536
+    rng = np.random.default_rng(0)
+    G = (rng.standard_normal((m, n)) if spectrum == "gaussian"
+         else spectrum_matrix(m, n, np.logspace(0, -3, m)))
+    G = torch.from_numpy(G)
+    exact = newton_schulz(G, 5, dtype=torch.float64)
+
+    def error(algorithm):
+        X = newton_schulz(G.float(), 5, algorithm=algorithm).double()
+        return ((X - exact).norm() / exact.norm()).item()
+
+    assert error("gram") <= 1.5 * error("standard")
+    assert error("standard") < 0.1  # a real bf16 NS5, not a degenerate one

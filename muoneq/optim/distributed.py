@@ -1,10 +1,11 @@
 """Orthogonalization across ranks: a FLOP-balanced split under DDP, whole matrices under FSDP2.
 
-Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n) and DiagPre needs the
-whole matrix (column sums span every row), so with several processes the optimizer step
-is organized around *owners*: every matrix of a step is given to one rank, chosen so that
-each rank's FLOPs stay within ``total/W + largest`` (:func:`balance`, greedy
-longest-processing-time). Two layouts are handled:
+Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n, standard order; see
+:func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums
+span every row), so with several processes the optimizer step is organized around
+*owners*: every matrix of a step is given to one rank, chosen so that each rank's FLOPs
+stay within ``total/W + largest`` (:func:`balance`, greedy longest-processing-time).
+Two layouts are handled:
 
 * **replicated** parameters (plain tensors, as under DDP): every rank already holds every
   (all-reduced) gradient and updates its own momentum; the owner computes the direction and
@@ -77,12 +78,6 @@ def is_dtensor(t) -> bool:
 def local(t: Tensor) -> Tensor:
     """The tensor this rank holds: a ``DTensor``'s local shard, any other tensor itself."""
     return t.to_local() if is_dtensor(t) else t
-
-
-def ns_flops(shape: Sequence[int], steps: int) -> float:
-    """FLOPs of ``steps`` Newton–Schulz iterations on an m×n matrix, plus DiagPre's ~4mn."""
-    m, n = sorted(shape)
-    return steps * (4.0 * m * m * n + 2.0 * m**3) + 4.0 * m * n
 
 
 def balance(costs: Sequence[float], world: int) -> list[int]:
@@ -158,17 +153,18 @@ def exchange_replicated(
     compute: Compute,
     apply: Sink,
     *,
-    steps: int,
+    costs: Sequence[float],
     dtype: torch.dtype,
     group=None,
 ) -> None:
     """DDP: each rank computes the directions it owns, then all ranks receive all of them.
 
-    ``thunks[i]()`` gives slot ``i``'s whole-matrix ``M̃`` (called on its owner only);
+    ``thunks[i]()`` gives slot ``i``'s whole-matrix ``M̃`` (called on its owner only) and
+    ``costs[i]`` its FLOPs (what :func:`balance` evens out);
     directions travel in ``dtype`` (the Newton–Schulz dtype, so nothing is rounded twice).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owners = balance([ns_flops(s.shape, steps) for s in slots], world)
+    owners = balance(costs, world)
     offsets, filled = [], [0] * world
     for s, owner in zip(slots, owners, strict=True):
         offsets.append(filled[owner])
@@ -197,20 +193,21 @@ def exchange_row_sharded(
     compute: Compute,
     apply: Sink,
     *,
-    steps: int,
+    costs: Sequence[float],
     dtype: torch.dtype,
     mesh_dim: int,
 ) -> None:
     """FSDP2: gather whole ``M̃`` matrices on their owners, scatter the directions' rows back.
 
     ``local_m_tildes[i]()`` gives this rank's rows of slot ``i``'s ``M̃`` (any shape with the
-    rows first). ``apply`` receives this rank's rows of each direction, shaped ``(rows, n)``.
-    All slots share one device mesh; ``mesh_dim`` is the dimension they are sharded along.
+    rows first) and ``costs[i]`` its FLOPs. ``apply`` receives this rank's rows of each
+    direction, shaped ``(rows, n)``. All slots share one device mesh; ``mesh_dim`` is the
+    dimension they are sharded along.
     """
     mesh = slots[0].param.device_mesh
     group, world = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
     rank = mesh.get_local_rank(mesh_dim)
-    owners = balance([ns_flops(s.shape, steps) for s in slots], world)
+    owners = balance(costs, world)
     # sizes[i][r]: elements of slot i held by rank r
     sizes = []
     for s in slots:

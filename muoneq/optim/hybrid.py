@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.newton_schulz import Workspace, dtype_name, normalize_coefficients, resolve_dtype
+from muoneq.newton_schulz import (
+    Workspace,
+    dtype_name,
+    normalize_coefficients,
+    ns_flops,
+    resolve_dtype,
+)
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 from muoneq.optim.distributed import (
     MatrixSlot,
@@ -189,6 +195,14 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         """Scratch memory kept between steps (one matrix's temporaries; not optimizer state)."""
         return self._workspace.nbytes
 
+    def __setstate__(self, state: dict) -> None:
+        # as torch.optim does for keys added after a checkpoint was written (load_state_dict
+        # restores the saved groups): older checkpoints get the defaults of newer keys
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._extra_defaults.items():
+                group.setdefault(key, value)
+
     # ----------------------------------------------------------------- validation
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -248,6 +262,10 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     # ----------------------------------------------------------------- the update
+    def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
+        """FLOPs of one direction of a ``shape`` matrix (balances the split between ranks)."""
+        return ns_flops(shape, group["ns_steps"])
+
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Map the (Nesterov-mixed) momentum, viewed as a matrix, to the update direction.
 
@@ -359,7 +377,8 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             self._checked_same_gradients = True
         exchange_replicated(
             slots, thunks, lambda items, sink: self._compute(items, group, sink), apply,
-            steps=group["ns_steps"], dtype=resolve_dtype(group["ns_dtype"]), group=pg,
+            costs=[self._direction_flops(s.shape, group) for s in slots],
+            dtype=resolve_dtype(group["ns_dtype"]), group=pg,
         )
 
     def _row_sharded_step(self, slots: list[MatrixSlot], group: dict, mesh_dim: int) -> None:
@@ -370,7 +389,8 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             exchange_row_sharded(
                 slots, [lambda s=s: self._m_tilde(s, group) for s in slots],
                 lambda items, sink: self._compute(items, group, sink), apply_rows,
-                steps=group["ns_steps"], dtype=resolve_dtype(group["ns_dtype"]), mesh_dim=mesh_dim,
+                costs=[self._direction_flops(s.shape, group) for s in slots],
+                dtype=resolve_dtype(group["ns_dtype"]), mesh_dim=mesh_dim,
             )
             return
         # A method with state of its own: every rank computes every direction from whole
