@@ -43,9 +43,9 @@ def canonical_mode(mode) -> str:
     return _ALIASES[key]
 
 
-def _inv_sqrt(d: Tensor) -> Tensor:
-    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0``."""
-    return torch.where(d > 0, d.rsqrt(), torch.zeros_like(d))
+def pinv_rsqrt(d: Tensor) -> Tensor:
+    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark ``rem:r_main``)."""
+    return torch.where(d > 0, d.rsqrt(), 0.0)
 
 
 def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8) -> Tensor:
@@ -61,7 +61,7 @@ def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8) -> Tensor:
     sq = work.square()
     out = work
     if mode in ("R", "RC"):
-        out = out * _inv_sqrt(sq.sum(dim=-1, keepdim=True) + eps)
+        out = out * pinv_rsqrt(sq.sum(dim=-1, keepdim=True) + eps)
     if mode in ("C", "RC"):
-        out = out * _inv_sqrt(sq.sum(dim=-2, keepdim=True) + eps)
+        out = out * pinv_rsqrt(sq.sum(dim=-2, keepdim=True) + eps)
     return out.to(M.dtype)
