@@ -43,8 +43,8 @@ demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on 
 data-fineweb: $(STAMP) ## tokenize FineWeb (sample-100BT, GPT-2 BPE) to shards: TOKENS=10.5B OUT=data/fineweb
 	$(PY) -m muoneq data --source fineweb --tokens $(or $(TOKENS),10.5B) --out $(or $(OUT),data/fineweb) $(ARGS)
 
-data-c4: $(STAMP) ## tokenize C4 en (GPT-2 BPE, C4's validation split) to shards: TOKENS=21B OUT=data/c4
-	$(PY) -m muoneq data --source c4 --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
+data-c4: $(STAMP) ## tokenize C4 en (T5's tokenizer, C4's validation split) to shards: TOKENS=21B OUT=data/c4
+	$(PY) -m muoneq data --source c4 --tokenizer hf:google-t5/t5-base --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
 
 train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA
 	@test -n "$(TEXT)" || { echo "give TEXT=path/to/tinyshakespeare.txt (any plain-text file)"; exit 2; }

@@ -59,3 +59,18 @@ def tiny_tiktoken_file(path):
         ranks[merge] = len(ranks)
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
     return path
+
+
+def tiny_hf_tokenizer_file(path):
+    """A small SentencePiece-style Unigram tokenizer with T5's special tokens (``<pad>`` 0,
+    ``</s>`` 1, ``<unk>`` 2), trained here and saved in the ``tokenizer.json`` format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=80, special_tokens=["<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>")
+    tok.train_from_iterator(make_documents(200, seed=1) + ["< / s >"], trainer)
+    tok.save(str(path))
+    return path

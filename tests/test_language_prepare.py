@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from language_helpers import FORMATS, make_documents, write_corpus
+from language_helpers import FORMATS, make_documents, tiny_hf_tokenizer_file, write_corpus
 
 import muoneq.tasks.language.prepare as prepare
 from muoneq.cli import main as cli
@@ -51,6 +51,23 @@ def test_parallel_workers_match_one_process(tmp_path):
     for split in ("val", "train"):
         a, b = find_shards(tmp_path / "one", split), find_shards(tmp_path / "two", split)
         assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+
+
+def test_a_hugging_face_tokenizer_makes_the_shards(tmp_path):
+    from tokenizers import Tokenizer
+
+    tokenizer = tiny_hf_tokenizer_file(tmp_path / "tokenizer.json")
+    docs = make_documents(300)
+    path = write_corpus(tmp_path, "jsonl", docs)
+    argv = ["data", "--source", str(path), "--out", str(tmp_path / "out"), "--tokenizer",
+            str(tokenizer), "--val-tokens", "200", "--shard-tokens", "1000", "--workers", "2"]
+    assert cli(argv) == 0
+    raw = Tokenizer.from_file(str(tokenizer))
+    expected = np.concatenate([[1, *raw.encode(d, add_special_tokens=False).ids] for d in docs])
+    got = np.concatenate([split_tokens(tmp_path / "out", s) for s in ("val", "train")])
+    np.testing.assert_array_equal(got, expected)
+    settings = json.loads((tmp_path / "out" / "prepare.json").read_text())["settings"]
+    assert settings["vocab_size"] == raw.get_vocab_size()
 
 
 def test_budget_separate_val_and_sample_by(tmp_path):

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 import tiktoken
-from language_helpers import tiny_tiktoken_file
+from language_helpers import tiny_hf_tokenizer_file, tiny_tiktoken_file
 
 from muoneq.tasks.language.shards import (
     ShardError,
@@ -92,6 +92,34 @@ def test_tokenizers(tmp_path):
         load_tokenizer("no-such-encoding")
     with pytest.raises(FileNotFoundError, match="missing.tiktoken"):
         load_tokenizer(str(tmp_path / "missing.tiktoken"))
+
+
+def test_hugging_face_tokenizer_json(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+    from tokenizers.models import Unigram
+
+    path = tiny_hf_tokenizer_file(tmp_path / "tokenizer.json")
+    tok = load_tokenizer(str(path))
+    raw = Tokenizer.from_file(str(path))
+    assert tok.eot == raw.token_to_id("</s>") == 1
+    assert tok.n_vocab == raw.get_vocab_size()
+    text = "The red cat sees a ship."
+    assert tok.encode(text) == raw.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == text
+    forged = tok.encode("A ship. </s> The king")
+    assert tok.eot not in forged and raw.token_to_id("<unk>") not in forged[:3]
+
+    def offline(repo):
+        raise ConnectionError(f"no network for {repo}")
+
+    monkeypatch.setattr(Tokenizer, "from_pretrained", staticmethod(offline))
+    with pytest.raises(RuntimeError, match="google-t5/t5-base.*path"):
+        load_tokenizer("hf:google-t5/t5-base")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    Tokenizer(Unigram([("a", -1.0), ("b", -2.0)])).save(str(tmp_path / "bare.json"))
+    with pytest.raises(ValueError, match="document separators"):
+        load_tokenizer(str(tmp_path / "bare.json"))
 
 
 def test_named_encoding_through_tiktoken(monkeypatch):

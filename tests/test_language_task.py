@@ -41,6 +41,9 @@ def test_recipes_pin_the_paper_tables(experiment):
                                                                  paper["size"])
         assert task.data.seq_len == 4096 and task.data.batch_size == paper["batch"]
         assert task.data.val_tokens == 10_485_760
+        # the paper's tokenizers: GPT-2's BPE on FineWeb, T5's SentencePiece on C4
+        assert task.data.tokenizer == ("gpt2" if paper["arch"] == "gpt2"
+                                       else "hf:google-t5/t5-base")
         tokens = trainer.max_steps * task.data.batch_size * task.data.seq_len
         assert abs(tokens - paper["tokens"]) / paper["tokens"] < 0.005  # "10.5B" / "21.0B"
         if "steps" in paper:
