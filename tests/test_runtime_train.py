@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 from runtime_helpers import TINY_RUNS, tiny_cifar10
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from muoneq.runtime import RunFolderError, compose, conf_dir, train
+from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
 from muoneq.runtime.run import find_resume_checkpoint
 from muoneq.tasks.vision.cifar10_data import load_cifar10, normalize
 from muoneq.tasks.vision.resnet import CifarResNet
@@ -89,6 +90,28 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
 
 
 # ----------------------------------------------------------------------------- run folder
+def test_spectra_section_measures_the_pre_ns_momentum_during_the_run(tmp_path):
+    run = tmp_path / "run"
+    cfg = compose(tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}", "spectra.enabled=true",
+                       "spectra.steps=[2,5]", "spectra.modes=[none,RC]",
+                       "spectra.modules=['*conv*']", "spectra.log_figures=false"))
+    train(cfg)
+    [written] = run.rglob("spectra.csv")
+    assert written.parent == run / "tensorboard"
+    with written.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    # the CIFAR recipe puts every ≥2-D weight on the Muon path (the authors' routing)
+    convs = {name for name, m in CifarResNet(blocks=[1], width=4).named_modules()
+             if isinstance(m, torch.nn.Conv2d)}
+    assert {(int(r["step"]), r["mode"]) for r in rows} == {(s, m) for s in (2, 5)
+                                                           for m in ("none", "RC")}
+    assert {r["module"].removeprefix("model.") for r in rows} == convs
+    assert all(0 < float(r["stable_rank"]) <= min(int(r["m"]), int(r["n"])) for r in rows)
+
+    with pytest.raises(ConfigError, match=r"spectra\.fractions"):
+        compose(tiny(tmp_path, "spectra.enabled=true", "spectra.fractions=[0.0]"))
+
+
 def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path):
     run = tmp_path / "run"
     cfg = compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}", "seed=3",

@@ -1,9 +1,9 @@
 """Typed run configs composed from ``conf/`` and command-line overrides.
 
-A run config has five sections (see :class:`RunConfig`): ``task`` (typed by the task's own
+A run config has six sections (see :class:`RunConfig`): ``task`` (typed by the task's own
 dataclass), ``optimizer`` (typed by :func:`~muoneq.runtime.optim.optimizer_schema`),
-``schedule``, ``trainer`` and ``run``, plus ``seed`` and ``resume``. :func:`compose` builds it
-from the command line, as in lightning-hydra-template::
+``schedule``, ``trainer``, ``spectra`` and ``run``, plus ``seed`` and ``resume``.
+:func:`compose` builds it from the command line, as in lightning-hydra-template::
 
     experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 trainer.devices=4 seed=1
 
@@ -145,6 +145,41 @@ class TrainerConfig:
 
 
 @dataclass
+class SpectraConfig:
+    """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures fig3 and
+    fig:e_b_metrics (:class:`muoneq.diagnostics.SpectralMonitor`; CSV ``spectra.csv`` and
+    TensorBoard ``spectra/*`` in the run's log folder)."""
+
+    enabled: bool = False
+    #: Module-name patterns (fnmatch) whose weights are measured, e.g. ``["*.mlp.*"]``.
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    #: Fractions of the optimizer steps at which to measure (ignored when ``steps`` is set).
+    fractions: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 1.0])
+    steps: list[int] | None = None
+    modes: list[str] = field(default_factory=lambda: ["none", "R", "C", "RC"])
+    #: dtype of the measured Newton–Schulz iteration (float64: Theorem th_ns's exact error).
+    ns_dtype: str = "float64"
+    log_figures: bool = True
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            try:
+                self.monitor()
+            except ValueError as err:
+                raise ValueError(f"spectra.{err}") from None
+
+    def monitor(self):
+        """The callback these settings describe."""
+        from muoneq.diagnostics import SpectralMonitor  # pulls in Lightning: only when enabled
+
+        return SpectralMonitor(
+            modules=list(self.modules), fractions=list(self.fractions),
+            steps=None if self.steps is None else list(self.steps), modes=list(self.modes),
+            ns_dtype=self.ns_dtype, log_figures=self.log_figures,
+        )
+
+
+@dataclass
 class RunSection:
     #: Run name; default ``<experiment or task>-<optimizer>-seed<seed>[-<overrides>]``.
     name: str | None = None
@@ -164,6 +199,7 @@ class RunConfig:
     optimizer: Any = None
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    spectra: SpectraConfig = field(default_factory=SpectraConfig)
 
 
 # --------------------------------------------------------------------------- locating files

@@ -176,6 +176,8 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
+    if cfg.spectra.enabled:
+        callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
     trainer = build_trainer(
         cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
         callbacks=callbacks,
