@@ -99,6 +99,9 @@ def test_tiny_run_end_to_end(shards, tmp_path):
     assert [step for step, _ in validations] == [9, 19, 25]
     assert validations[0][1] > validations[1][1] > validations[2][1]  # perplexity falls
     assert metrics["val/ppl"] == pytest.approx(validations[-1][1])
+    # the final weights are the best: best.ckpt holds them, not step 20's
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
+    assert best["global_step"] == 25
     assert scalars(tmp_path / "run", "perf/tokens_per_s")
     assert metrics["best_val_ppl"] == pytest.approx(math.exp(metrics["best_val_loss"]))
     assert metrics["best_val_loss"] == pytest.approx(metrics["best"])

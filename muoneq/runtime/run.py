@@ -36,7 +36,7 @@ import muoneq
 from muoneq.runtime.callbacks import LastValidation, StepStats
 from muoneq.runtime.config import Resume
 from muoneq.runtime.tasks import get_task
-from muoneq.runtime.trainer import CHECKPOINT_DIR, LAST_PREFIX, build_trainer
+from muoneq.runtime.trainer import BEST_NAME, CHECKPOINT_DIR, LAST_PREFIX, build_trainer
 
 METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.yaml"
@@ -147,6 +147,20 @@ def _callback(trainer: L.Trainer, kind: type, **attrs):
     raise LookupError(kind)
 
 
+def _keep_best(trainer: L.Trainer, best_cb: ModelCheckpoint, score: float | None,
+               mode: str) -> None:
+    """Save ``best.ckpt`` from the final weights when their extra validation beats every
+    validation of the fit (ModelCheckpoint only sees validations inside ``fit``)."""
+    previous = best_cb.best_model_score
+    improves = score is not None and (previous is None or (
+        score > float(previous) if mode == "max" else score < float(previous)))
+    # rank 0 decides for all: saving is a collective under DDP/FSDP
+    if trainer.strategy.broadcast(improves):
+        path = str(Path(best_cb.dirpath) / f"{BEST_NAME}{best_cb.FILE_EXTENSION}")
+        trainer.save_checkpoint(path)
+        best_cb.best_model_score, best_cb.best_model_path = torch.tensor(score), path
+
+
 def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> dict:
     """Run ``cfg`` to the end and return the figures written to ``metrics.json``.
 
@@ -198,11 +212,12 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
             "(resume=auto continues from the last checkpoint)"
         )
     fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
+    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
     if _callback(trainer, LastValidation).step != trainer.global_step:
         # the budget ended between validations: validate the final weights once more
         fit_metrics |= {k: _number(v) for k, v in trainer.validate(
             module, datamodule=datamodule, verbose=False)[0].items()}
-    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
+        _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
     final = fit_metrics.get(module.monitor)
     scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
     scores = [s for s in (*scores, final) if s is not None]

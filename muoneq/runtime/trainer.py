@@ -40,6 +40,8 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 LAST_PREFIX = "last-step"
+#: ``best.ckpt``: the weights with the best ``monitor`` value of the run.
+BEST_NAME = "best"
 
 
 def _single_device(devices: int | str) -> bool:
@@ -87,7 +89,8 @@ def build_trainer(
 
     Checkpoints (``run_dir/checkpoints``): ``last-step<N>.ckpt`` at the end of every epoch, or
     every ``trainer.checkpoint_every_n_steps`` steps, the previous one deleted only after the
-    new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation.
+    new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation (and
+    after the final one :func:`muoneq.runtime.train` adds).
     """
     t = cfg.trainer
     if t.accelerator is AcceleratorName.npu:
@@ -108,7 +111,7 @@ def build_trainer(
         save_on_train_epoch_end=None if step_based else True, enable_version_counter=False,
     )
     best = ModelCheckpoint(
-        dirpath=ckpt_dir, filename="best", monitor=monitor, mode=monitor_mode, save_top_k=1,
+        dirpath=ckpt_dir, filename=BEST_NAME, monitor=monitor, mode=monitor_mode, save_top_k=1,
         auto_insert_metric_name=False, save_on_train_epoch_end=False,
         enable_version_counter=False,
     )
