@@ -90,6 +90,28 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
 
 
 # ----------------------------------------------------------------------------- run folder
+def test_cifar_recipe_decays_the_lr_once_per_epoch_as_cosine_annealing(tmp_path):
+    run = tmp_path / "run"
+    cfg = compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}",
+                       "trainer.log_every_n_steps=1"))
+    assert cfg.schedule.interval.value == "epoch"
+    train(cfg)
+    # the authors' script: torch's CosineAnnealingLR(T_max=epochs), stepped after each epoch
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optimizer.lr)
+    annealing = torch.optim.lr_scheduler.CosineAnnealingLR(reference, T_max=3)
+    per_epoch = []
+    for _ in range(3):
+        per_epoch.append(reference.param_groups[0]["lr"])
+        reference.step()
+        annealing.step()
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    for tag in ("lr-MuonEq/pg1", "lr-MuonEq/pg2"):  # the matrix and the AdamW group
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in logged] == list(range(12))  # 4 batches per epoch
+        np.testing.assert_allclose([v for _, v in logged],
+                                   [per_epoch[s // 4] for s, _ in logged], rtol=1e-6)
+
+
 def test_spectra_section_measures_the_pre_ns_momentum_during_the_run(tmp_path):
     run = tmp_path / "run"
     cfg = compose(tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}", "spectra.enabled=true",

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from muoneq.runtime.optim import check_optimizer_config, optimizer_schema
-from muoneq.runtime.schedule import ScheduleName
+from muoneq.runtime.schedule import ScheduleInterval, ScheduleName
 from muoneq.runtime.tasks import get_task
 
 GROUPS = ("experiment", "task", "optimizer", "trainer")
@@ -77,12 +77,16 @@ class Resume(Enum):
 
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule by optimizer step (see :mod:`muoneq.runtime.schedule`)."""
+    """Learning-rate schedule by optimizer step or epoch (see :mod:`muoneq.runtime.schedule`)."""
 
     name: ScheduleName = ScheduleName.cosine
+    #: ``step``: the lr changes every optimizer step; ``epoch``: once per epoch, and
+    #: ``warmup_steps`` / ``total_steps`` count epochs.
+    interval: ScheduleInterval = ScheduleInterval.step
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
-    #: Steps of the whole schedule; ``None``: the trainer's budget (max_steps or max_epochs).
+    #: Length of the whole schedule; ``None``: the trainer's budget (steps: max_steps or
+    #: max_epochs × batches; epochs: max_epochs).
     total_steps: int | None = None
 
     def __post_init__(self) -> None:

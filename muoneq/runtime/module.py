@@ -33,8 +33,8 @@ class TaskModule(L.LightningModule):
         model: the network. Build it before the module (with the run's seed set) so that every
             optimizer of a seed starts from the same weights.
         optimizer: the run's ``optimizer`` section (``name``, hyper-parameters, ``routing``).
-        schedule: the run's ``schedule`` section (``name``, ``warmup_steps``, ``min_lr_ratio``,
-            ``total_steps``).
+        schedule: the run's ``schedule`` section (``name``, ``interval``, ``warmup_steps``,
+            ``min_lr_ratio``, ``total_steps``).
         compile: wrap the network's forward in ``torch.compile``.
 
     Class attributes a task sets:
@@ -86,18 +86,30 @@ class TaskModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimization
     def configure_optimizers(self):
-        """The model's single optimizer and its step-wise LR schedule."""
+        """The model's single optimizer and its LR schedule (by step, or by epoch)."""
         optimizer = build_optimizer_from_config(self.model, self.optimizer_config)
         schedule = self.schedule_config
+        interval = schedule.get("interval", "step")
         scheduler = build_scheduler(
             optimizer, name=schedule["name"], warmup_steps=schedule["warmup_steps"],
-            total_steps=schedule.get("total_steps") or self._budget_steps,
+            total_steps=schedule.get("total_steps") or (
+                self._budget_epochs if interval == "epoch" else self._budget_steps),
             min_lr_ratio=schedule["min_lr_ratio"],
         )
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+            "lr_scheduler": {"scheduler": scheduler, "interval": interval, "frequency": 1},
         }
+
+    def _budget_epochs(self) -> int:
+        """Epochs of the whole run (``schedule.interval=epoch``)."""
+        epochs = self.trainer.max_epochs
+        if epochs is None or epochs < 1:
+            raise ValueError(
+                "schedule.interval=epoch: set trainer.max_epochs or schedule.total_steps (in "
+                "epochs)"
+            )
+        return int(epochs)
 
     def _budget_steps(self) -> int:
         """Optimizer steps of the whole run (``max_steps``, or ``max_epochs`` × batches)."""

@@ -1,4 +1,4 @@
-"""Learning-rate schedules by optimizer step: linear warmup, then cosine decay or constant.
+"""Learning-rate schedules by optimizer step (or epoch): linear warmup, then cosine or constant.
 
 The factor multiplies every param group's initial lr (so the AdamW fallback group of a hybrid
 optimizer follows the matrix group), as ``torch.optim.lr_scheduler.LambdaLR`` does.
@@ -17,6 +17,14 @@ from torch.optim.lr_scheduler import LambdaLR
 class ScheduleName(Enum):
     cosine = "cosine"
     constant = "constant"
+
+
+class ScheduleInterval(Enum):
+    """What the schedule counts: optimizer steps (LLM recipes) or epochs (the authors' CIFAR
+    script: ``CosineAnnealingLR(T_max=epochs)`` stepped once per epoch)."""
+
+    step = "step"
+    epoch = "epoch"
 
 
 def lr_factor(
