@@ -1,0 +1,90 @@
+"""CUDA checks (skipped without a GPU): the accelerator paths against the CPU's, torch's Muon on
+the same device, and the benchmark recording the device."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from muoneq import MuonEq, newton_schulz
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(96, 32)] * 3 + [(32, 96), (48, 48), (16, 8, 3, 3)]
+
+
+def steps_of(make_opt, device, dtype=torch.float32, shapes=SHAPES, steps=3):
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(steps)]
+    params = [nn.Parameter(v.to(device)) for v in values]
+    opt = make_opt(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.to(device)
+        opt.step()
+    return [p.detach().cpu() for p in params]
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("mode", ["none", "R", "C", "RC"])
+def test_stacked_cuda_path_equals_the_cpu_path_in_float64(mode, algorithm):
+    def make(params):
+        return MuonEq(params, lr=0.05, mode=mode, ns_dtype="float64", ns_algorithm=algorithm)
+
+    cuda = steps_of(make, "cuda", torch.float64)  # batching="auto": stacked on accelerators
+    cpu = steps_of(make, "cpu", torch.float64)
+    for a, b in zip(cuda, cpu, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_mode_none_per_matrix_is_torch_muon_on_cuda(nesterov):
+    flat = [s for s in SHAPES if len(s) == 2]  # torch.optim.Muon takes matrices only
+    ours = steps_of(lambda ps: MuonEq(ps, lr=0.02, mode="none", nesterov=nesterov,
+                                      batching="per_matrix"), "cuda", shapes=flat)
+    theirs = steps_of(lambda ps: torch.optim.Muon(ps, lr=0.02, nesterov=nesterov,
+                                                  adjust_lr_fn="match_rms_adamw"), "cuda",
+                      shapes=flat)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_newton_schulz_on_cuda_is_as_accurate_as_on_cpu():
+    G = torch.randn(256, 1024, dtype=torch.float64)
+    exact = newton_schulz(G, 5, dtype=torch.float64)
+
+    def error(device, algorithm):
+        X = newton_schulz(G.float().to(device), 5, algorithm=algorithm).double().cpu()
+        return ((X - exact).norm() / exact.norm()).item()
+
+    for algorithm in ("standard", "gram"):
+        assert error("cuda", algorithm) <= 1.5 * error("cpu", "standard")
+
+
+def test_benchmark_records_the_gpu(tmp_path):
+    from muoneq.benchmarks.bench_step import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--device", "cuda",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == torch.cuda.get_device_name()
+    rows = result["sets"]["gpt2_small"]["contenders"]
+    assert "MuonEq-R (per_matrix)" in rows and rows["MuonEq-R"]["ms"] > 0
+
+
+def test_tiny_language_run_on_cuda_in_bf16_reports_mfu(tmp_path):
+    from runtime_helpers import tiny_language
+
+    from muoneq.runtime import compose, train
+
+    cfg = compose(["experiment=llama_tiny_shakespeare", *tiny_language(tmp_path),
+                   "trainer.accelerator=cuda", "trainer.devices=1", "trainer.precision=bf16-mixed",
+                   "trainer.max_steps=4", "schedule.total_steps=4", "task.peak_tflops=100",
+                   f"run.dir={tmp_path / 'run'}"])
+    metrics = train(cfg)
+    assert metrics["status"] == "finished" and metrics["global_step"] == 4
+    assert metrics["final"] is not None and 0 < metrics["mfu"] < 1
+    assert metrics["peak_memory_kind"] != "host_rss"
