@@ -32,9 +32,10 @@ Evaluation orders (``ns_algorithm``), the same polynomial of ``G`` in exact arit
   ``R_{k+1} = (a·I + Z_k) R_k (a·I + Z_k)``, so ``X_K = Q X_0`` with
   ``Q = Π_k (a·I + Z_k)`` and the m×n matrix is touched only by ``X_0 X_0ᵀ`` and ``Q X_0``
   (:func:`gram_iterate`). In bf16, errors in ``R`` and ``Q`` compound, so the iteration
-  restarts from ``X`` every :data:`GRAM_RESTART` steps and ``Q``'s dominant diagonal is kept
-  in float32. It costs ``4m²n + (8L − 6)m³`` per segment of ``L`` steps (0.67× the FLOPs
-  at n = 4m, K = 5) and is used only on matrices where that is less than ``"standard"``.
+  restarts from ``X`` every :data:`GRAM_RESTART` steps and every m×m matrix keeps its
+  dominant diagonal in float32. It costs ``4m²n + (8L − 6)m³`` matmul FLOPs per segment of
+  ``L`` steps (0.67× at n = 4m, K = 5) plus element-wise passes over the m×m matrices, and is
+  used only on matrices where the FLOPs are less than ``"standard"``.
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ NAMED_COEFFICIENTS = ("quintic", "taylor", "polar_express")
 NS_ALGORITHMS = ("standard", "gram")
 
 #: Steps carried in Gram space before restarting from the m×n iterate. Measured against a
-#: float64 NS5 (bf16, quintic, m = 128…1024, n = 3m…4m): without restarts the Gram order is
-#: 6× less accurate than ``"standard"`` on spectra decaying to 1e-3; restarting every 3 steps
-#: with ``Q``'s diagonal in float32, its error is 1.1–1.45× the standard one on Gaussian
-#: inputs, 0.8–0.97× on decaying or low-rank ones and up to 1.65× when the columns span 100×
-#: in scale — close, but not bit-for-bit, hence opt-in.
+#: float64 NS5 (bf16, quintic, m = 64…768, n = 3m…9m), as a ratio to the ``"standard"`` order's
+#: error: without restarts the Gram order is 6–24× less accurate on spectra decaying to 1e-3;
+#: restarting every 3 steps, with every m×m matrix's diagonal in float32, it is 0.3–0.6× on
+#: Gaussian inputs, 0.95–1.05× on decaying ones and 0.5–0.85× when the columns span 100× in
+#: scale (with only ``Q``'s diagonal in float32: 1.1–1.5×, up to 1.65×).
 GRAM_RESTART = 3
 
 #: Lower clamp of the Frobenius norm before dividing (as torch.optim.Muon does), so that a zero
@@ -249,14 +250,12 @@ def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype,
     return X
 
 
-def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
-           out: Tensor | None = None) -> Tensor:
-    """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks (into
-    ``out`` when given; deeper batches allocate)."""
+def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0) -> Tensor:
+    """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
     if C.ndim == 2:
-        return torch.addmm(C, A, B, beta=beta, alpha=alpha, out=out)
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
     if C.ndim == 3:
-        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha, out=out)
+        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha)
     return beta * C + alpha * (A @ B)
 
 
@@ -264,17 +263,19 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
     """Newton–Schulz steps on a normalized wide ``X`` (..., m ≤ n) carried in Gram space.
 
     Per segment of at most :data:`GRAM_RESTART` steps: ``R = X Xᵀ``; each step forms
-    ``Z = b·R + c·R²``, multiplies ``Q ← Q (a·I + Z)`` (all factors are polynomials in the
+    ``P = a·I + b·R + c·R²``, multiplies ``Q ← Q P`` (all factors are polynomials in the
     segment's first ``R``, so they commute) and, unless it is the segment's last,
-    ``R ← (a·I + Z) R (a·I + Z)``; the segment ends with ``X ← Q X``. ``Q`` is held as its
-    diagonal in float32 plus its off-diagonal part in ``X``'s dtype: the diagonal dominates
-    ``Q``, and rounding it to bf16 each step was the main error of the Gram order. With a
-    ``workspace`` every temporary lives in its reused buffers.
+    ``R ← P R P``; the segment ends with ``X ← Q X``. Every m×m matrix is held *split*: its
+    diagonal in float32, its off-diagonal part in ``X``'s dtype. The diagonal dominates these
+    matrices, and rounding it to bf16 at every product is what made the plain Gram order less
+    accurate than the standard one; split, it is more accurate (:data:`GRAM_RESTART`). The
+    products cost the same matmuls plus a few element-wise passes. With a ``workspace`` every
+    temporary lives in its reused buffers.
     """
     shape = X.shape
     if X.ndim > 3:
         X = X.reshape(-1, *shape[-2:])
-    square = (*X.shape[:-1], X.size(-2))
+    square, diag_shape = (*X.shape[:-1], X.size(-2)), X.shape[:-1]
     acc = torch.promote_types(X.dtype, torch.float32)
 
     def take(name: str, size, dtype: torch.dtype = X.dtype) -> Tensor:
@@ -282,33 +283,53 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
             return torch.empty(size, dtype=dtype, device=X.device)
         return workspace.take(name, size, dtype, X.device)
 
-    def diagonal(t: Tensor) -> Tensor:
-        return t.diagonal(dim1=-2, dim2=-1)
+    def split(name: str) -> tuple[Tensor, Tensor]:
+        return take(f"gram_{name}_diag", diag_shape, acc), take(f"gram_{name}_off", square)
+
+    full = take("gram_full", square, acc)  # one product, whole, in float32
+
+    def product(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tensor:
+        """``full ← (diag(a₀) + a₁)(diag(b₀) + b₁)``."""
+        full.copy_(torch.matmul(a[1], b[1], out=take("gram_mm", square)))
+        full.addcmul_(a[0].unsqueeze(-1), b[1]).addcmul_(a[1], b[0].unsqueeze(-2))
+        _diagonal(full).addcmul_(a[0], b[0])
+        return full
+
+    def store(into: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Split ``full`` into ``into`` (diagonal, off-diagonal part)."""
+        into[0].copy_(_diagonal(full))
+        _diagonal(full).zero_()
+        into[1].copy_(full)
+        return into
 
     for s, start in enumerate(range(0, len(coefficients), GRAM_RESTART)):
         segment = coefficients[start : start + GRAM_RESTART]
-        R = torch.matmul(X, X.mT, out=take("gram_r0", square))
-        full = take("gram_full", square, acc)  # Q in float32: off-diagonal and diagonal
-        off = take("gram_off", square)  # Q's off-diagonal part, zero diagonal
-        diag = take("gram_diag", square[:-1], acc)
+        R = split("r")
+        torch.matmul(X, X.mT, out=R[1])
+        torch.linalg.vector_norm(X, dim=-1, dtype=acc, out=R[0]).square_()
+        _diagonal(R[1]).zero_()
+        Q = split("q")
         for j, (a, b, c) in enumerate(segment):
-            Z = _addmm(R, R, R, beta=b, alpha=c, out=take("gram_z", square))
-            if j == 0:  # Q = a·I + Z
-                full.copy_(Z)
-                diagonal(full).add_(a)
-            else:  # Q (a·I + Z) = a·off + off·Z + diag·Z + a·diag
-                full.copy_(_addmm(off, off, Z, beta=a, out=take("gram_t", square)))
-                full.addcmul_(diag.unsqueeze(-1), Z)
-                diagonal(full).add_(diag, alpha=a)
-            diag.copy_(diagonal(full))
-            diagonal(full).zero_()
-            off.copy_(full)
-            if j + 1 < len(segment):
-                RZ = _addmm(R, R, Z, beta=a, out=take("gram_t", square))
-                R = _addmm(RZ, Z, RZ, beta=a, out=take(f"gram_r{(j + 1) % 2}", square))
-        diagonal(off).copy_(diag)
-        X = torch.matmul(off, X, out=take(f"gram_x{s % 2}", X.shape))
+            product(R, R).mul_(c).add_(R[1], alpha=b)  # Z = b·R + c·R²
+            _diagonal(full).add_(R[0], alpha=b).add_(a)  # P = a·I + Z
+            P = store(split("p"))
+            if j == 0:
+                Q[0].copy_(P[0])
+                Q[1].copy_(P[1])
+            else:  # Q ← Q P
+                product(Q, P)
+                store(Q)
+            if j + 1 < len(segment):  # R ← P (R P)
+                product(R, P)
+                product(P, store(split("t")))
+                store(R)
+        out = torch.matmul(Q[1], X, out=take(f"gram_x{s % 2}", X.shape))
+        X = out.addcmul_(Q[0].unsqueeze(-1), X)
     return X.reshape(shape)
+
+
+def _diagonal(t: Tensor) -> Tensor:
+    return t.diagonal(dim1=-2, dim2=-1)
 
 
 def _iterate_in(workspace: Workspace, X: Tensor, coefficients) -> Tensor:

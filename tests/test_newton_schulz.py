@@ -161,4 +161,6 @@ def test_gram_order_in_bfloat16_meets_the_accuracy_rule(spectrum, one_thread):
         return ((X - exact).norm() / exact.norm()).item()
 
     assert error("gram") <= 1.5 * error("standard")
+    if spectrum == "gaussian":  # float32 diagonals: more accurate than the standard order
+        assert error("gram") <= 0.8 * error("standard")
     assert error("standard") < 0.1  # a real bf16 NS5, not a degenerate one

@@ -85,8 +85,8 @@ class MuonEq(HybridOrthogonalOptimizer):
         ns_algorithm: evaluation order of the Newton–Schulz polynomial (a per-group key):
             ``"standard"`` (default; torch.optim.Muon's operations, bit for bit) or ``"gram"``
             (opt-in: carried on the m×m Gram matrix where that is cheaper, 0.67–0.75× the
-            FLOPs on 1:3–1:4 matrices; the same polynomial rounded differently in bf16:
-            1.1–1.45× the standard error on Gaussian inputs, less on decaying spectra; see
+            matmul FLOPs on 1:3–1:4 matrices; the same polynomial rounded differently in
+            bf16, no less accurate than the standard order in our measurements; see
             :data:`muoneq.newton_schulz.GRAM_RESTART`).
         distributed: ``"auto"`` (split the matrices between DDP ranks when torch.distributed
             is initialized), ``True`` (the same, but require a process group) or ``False``
