@@ -312,11 +312,8 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
         for j, (a, b, c) in enumerate(segment):
             product(R, R).mul_(c).add_(R[1], alpha=b)  # Z = b·R + c·R²
             _diagonal(full).add_(R[0], alpha=b).add_(a)  # P = a·I + Z
-            P = store(split("p"))
-            if j == 0:
-                Q[0].copy_(P[0])
-                Q[1].copy_(P[1])
-            else:  # Q ← Q P
+            P = store(Q if j == 0 else split("p"))  # the segment's first P is its Q
+            if j > 0:  # Q ← Q P
                 product(Q, P)
                 store(Q)
             if j + 1 < len(segment):  # R ← P (R P)
