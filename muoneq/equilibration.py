@@ -33,8 +33,10 @@ _ALIASES = {
 
 
 def canonical_mode(mode) -> str:
-    """Map a user spelling (``"r"``, ``"row"``, ``"RowCol"``, …) to one of :data:`MODES`."""
-    key = str(mode).lower() if mode is not None else "none"
+    """Map a user spelling (``"r"``, ``"row"``, ``"RowCol"``, …) to one of :data:`MODES`.
+
+    ``None`` is an error, not plain Muon: ask for that with ``"none"``."""
+    key = mode.lower() if isinstance(mode, str) else None
     if key not in _ALIASES:
         raise ValueError(
             f"mode: unknown value {mode!r}; allowed: none, R (row), C (col), RC (rowcol), "

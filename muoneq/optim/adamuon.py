@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+from muoneq.optim.contract import check_number
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -73,8 +74,8 @@ class AdaMuon(HybridOrthogonalOptimizer):
         )
 
     def _validate_extra(self, group: dict) -> None:
-        _number(group, "beta2", high=1.0, high_open=True)
-        _number(group, "eps")
+        check_number(group, "beta2", high=1.0, high_open=True)
+        check_number(group, "eps")
         if not isinstance(group["sign_momentum"], bool):
             raise ValueError(
                 f"sign_momentum: expected True or False, got {group['sign_momentum']!r}"

@@ -32,11 +32,16 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step for a list of tensors (in place); ``states`` as :func:`init_adamw_state`."""
+    """One AdamW step for a list of tensors (in place); ``states`` as :func:`init_adamw_state`.
+
+    A complex tensor is updated as its real view (``torch.view_as_real``), as
+    ``torch.optim.AdamW`` does: its real and imaginary parts are two real parameters.
+    """
     if not params:
         return
-    exp_avgs = [s["exp_avg"] for s in states]
-    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    params, grads = _real_views(params), _real_views(grads)
+    exp_avgs = _real_views([s["exp_avg"] for s in states])
+    exp_avg_sqs = _real_views([s["exp_avg_sq"] for s in states])
     steps = [s["step"] for s in states]
     torch._foreach_add_(steps, 1)
     if weight_decay != 0:
@@ -51,3 +56,7 @@ def adamw_update(
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+
+def _real_views(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from numbers import Real
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,16 @@ from muoneq.newton_schulz import (
     resolve_dtype,
 )
 from muoneq.optim.adamw import adamw_update, init_adamw_state
+from muoneq.optim.contract import (
+    check_betas,
+    check_flag,
+    check_group_keys,
+    check_number,
+    evaluate_closure,
+    params_with_grads,
+    scalar,
+    tensor_steps,
+)
 from muoneq.optim.distributed import (
     MatrixSlot,
     check_same_gradients,
@@ -54,22 +63,6 @@ LR_ADJUST = ("rms", "spectral", "spectral_unclamped", "none")
 BATCHING = ("auto", "per_matrix", "stacked")
 #: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
 _STACK_ELEMENTS = 1 << 26
-
-
-def evaluate_closure(closure: Callable[[], float] | None):
-    """Lightning's contract for ``optimizer.step(closure)``: run it with gradients enabled."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-def params_with_grads(group: dict, optimizer: str) -> list[Tensor]:
-    """The group's parameters that have a (dense) gradient this step."""
-    params = [p for p in group["params"] if p.grad is not None]
-    if any(p.grad.is_sparse for p in params):
-        raise RuntimeError(f"{optimizer} does not support sparse gradients")
-    return params
 
 
 def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
@@ -96,18 +89,6 @@ def matrix_shape(p: Tensor) -> tuple[int, int]:
     return (p.shape[0], math.prod(p.shape[1:]))
 
 
-def _number(group: dict, key: str, *, low: float = 0.0, high: float | None = None,
-            high_open: bool = False) -> None:
-    value = group[key]
-    if isinstance(value, Tensor):
-        value = value.item()
-    if not isinstance(value, Real) or isinstance(value, bool) or math.isnan(value):
-        raise ValueError(f"{key}: expected a number, got {group[key]!r}")
-    if value < low or (high is not None and (value >= high if high_open else value > high)):
-        bound = "" if high is None else f" and {'<' if high_open else '≤'} {high}"
-        raise ValueError(f"{key}: must be ≥ {low}{bound}, got {value!r}")
-
-
 class HybridOrthogonalOptimizer(torch.optim.Optimizer):
     """Base class: orthogonalized updates for matrix groups, AdamW for the rest.
 
@@ -126,6 +107,10 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
 
     #: Hyper-parameters a subclass adds on top of the common ones (name → default).
     _extra_defaults: dict = {}
+
+    #: Group keys introduced after state dicts were first written (name → the value that
+    #: reproduces the older behaviour): a state dict without them loads with these values.
+    added_keys: dict = {}
 
     #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only (it ignores
     #: ``p`` and ``state``, may be called with ``p = state = None``) and accepts a batch
@@ -168,8 +153,7 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         self.distributed = distributed
         self.batching = batching
         self.process_group = process_group
-        self._checked_same_gradients = False
-        self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
+        self._reset_caches()
         unknown = set(extra) - set(self._extra_defaults)
         if unknown:
             allowed = sorted(
@@ -195,13 +179,28 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         """Scratch memory kept between steps (one matrix's temporaries; not optimizer state)."""
         return self._workspace.nbytes
 
+    def _reset_caches(self) -> None:
+        """Per-process scratch, rebuilt after a copy: nothing here is state."""
+        self._checked_same_gradients = False
+        self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
+
+    def __getstate__(self) -> dict:
+        # torch.optim pickles defaults, state and groups only; a copy must also know how to
+        # execute (deepcopy and pickle go through here)
+        return {**super().__getstate__(), "distributed": self.distributed,
+                "batching": self.batching, "process_group": self.process_group}
+
     def __setstate__(self, state: dict) -> None:
-        # as torch.optim does for keys added after a checkpoint was written (load_state_dict
-        # restores the saved groups): older checkpoints get the defaults of newer keys
+        # Called by unpickling and deepcopy, and by load_state_dict with the loaded groups:
+        # keys added after a state dict was written get the values of the older behaviour
+        # (as torch.optim does for its own new keys), and older numeric steps become tensors.
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, value in self._extra_defaults.items():
+            for key, value in self.added_keys.items():
                 group.setdefault(key, value)
+        tensor_steps(self.state)
+        if "_workspace" not in self.__dict__:
+            self._reset_caches()
 
     # ----------------------------------------------------------------- validation
     def add_param_group(self, param_group: dict) -> None:
@@ -213,33 +212,32 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         for p in group["params"]:
-            if group["use_muon"]:
-                self._init_matrix_state(p, self.state[p], group)
-            else:
-                init_adamw_state(p, self.state[p])
+            self._init_state(p, group)
+
+    def _init_state(self, p: Tensor, group: dict) -> None:
+        """Create ``p``'s state (up front, so that every rank holds the same keys for
+        distributed checkpoints; again on a step if it was reset)."""
+        if group["use_muon"]:
+            self._init_matrix_state(p, self.state[p], group)
+        else:
+            init_adamw_state(p, self.state[p])
 
     def _validate(self, group: dict) -> None:
-        _number(group, "lr")
-        _number(group, "weight_decay")
-        _number(group, "adamw_eps")
-        if not isinstance(group["use_muon"], bool):
-            raise ValueError(f"use_muon: expected True or False, got {group['use_muon']!r}")
-        betas = group["adamw_betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"adamw_betas: expected two numbers in [0, 1), got {betas!r}")
-        group["adamw_betas"] = tuple(betas)
-        for i, b in enumerate(betas):
-            _number({f"adamw_betas[{i}]": b}, f"adamw_betas[{i}]", high=1.0, high_open=True)
+        name = type(self).__name__
+        check_group_keys(group, self.defaults, name)
+        for key in ("lr", "weight_decay", "adamw_eps"):
+            check_number(group, key)
+        check_flag(group, "use_muon")
+        check_betas(group, "adamw_betas")
+        group["ns_dtype"] = dtype_name(group["ns_dtype"])  # one spelling in every group
         if not group["use_muon"]:
             return
-        _number(group, "momentum", high=1.0, high_open=True)
-        if not isinstance(group["nesterov"], bool):
-            raise ValueError(f"nesterov: expected True or False, got {group['nesterov']!r}")
+        check_number(group, "momentum", high=1.0, high_open=True)
+        check_flag(group, "nesterov")
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"ns_steps: expected an integer ≥ 0, got {steps!r}")
         group["ns_coefficients"] = normalize_coefficients(group["ns_coefficients"], steps)
-        group["ns_dtype"] = dtype_name(group["ns_dtype"])
         if group["lr_adjust"] not in LR_ADJUST:
             raise ValueError(
                 f"lr_adjust: unknown value {group['lr_adjust']!r}; allowed: {', '.join(LR_ADJUST)}"
@@ -247,9 +245,15 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.ndim < 2:
                 raise ValueError(
-                    f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} is in a "
-                    "matrix (use_muon=True) group; 0-D and 1-D tensors must go to a "
-                    "use_muon=False (AdamW) group — muoneq.param_groups(model) routes them"
+                    f"{name}: a parameter of shape {tuple(p.shape)} is in a matrix "
+                    "(use_muon=True) group; 0-D and 1-D tensors must go to a use_muon=False "
+                    "(AdamW) group — muoneq.param_groups(model) routes them"
+                )
+            if p.is_complex():
+                raise ValueError(
+                    f"{name}: a complex parameter of shape {tuple(p.shape)} is in a matrix "
+                    "(use_muon=True) group; orthogonalized updates are defined for real "
+                    "matrices: put it in a use_muon=False (AdamW) group"
                 )
         self._validate_extra(group)
 
@@ -284,6 +288,11 @@ class HybridOrthogonalOptimizer(torch.optim.Optimizer):
             params = params_with_grads(group, type(self).__name__)
             if not params:
                 continue
+            for p in params:
+                if not self.state[p]:  # reset by the user, or loaded without it
+                    self._init_state(p, group)
+            if isinstance(group["lr"], Tensor):  # read once per group and step
+                group = {**group, "lr": scalar(group["lr"])}
             grads = [p.grad for p in params]
             if group["use_muon"]:
                 self._matrix_step(params, grads, group)

@@ -8,7 +8,16 @@ import torch
 from torch import Tensor
 
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.hybrid import _number, evaluate_closure, params_with_grads
+from muoneq.optim.contract import (
+    check_betas,
+    check_flag,
+    check_group_keys,
+    check_number,
+    evaluate_closure,
+    params_with_grads,
+    scalar,
+    tensor_steps,
+)
 
 
 class MarsAdamW(torch.optim.Optimizer):
@@ -75,22 +84,30 @@ class MarsAdamW(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         for p in group["params"]:
-            state = self.state[p]
-            init_adamw_state(p, state)
-            state["last_grad"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._init_state(p)
 
-    @staticmethod
-    def _validate(group: dict) -> None:
+    def _init_state(self, p: Tensor) -> None:
+        state = self.state[p]
+        init_adamw_state(p, state)
+        state["last_grad"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        tensor_steps(self.state)
+
+    def _validate(self, group: dict) -> None:
+        check_group_keys(group, self.defaults, "MarsAdamW")
         for key in ("lr", "eps", "weight_decay", "gamma"):
-            _number(group, key)
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
-        group["betas"] = tuple(betas)
-        for i, b in enumerate(betas):
-            _number({f"betas[{i}]": b}, f"betas[{i}]", high=1.0, high_open=True)
-        if not isinstance(group["optimize_1d"], bool):
-            raise ValueError(f"optimize_1d: expected True or False, got {group['optimize_1d']!r}")
+            check_number(group, key)
+        check_betas(group, "betas")
+        check_flag(group, "optimize_1d")
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(
+                    f"MarsAdamW: a complex parameter of shape {tuple(p.shape)}; the "
+                    "correction's clipping is defined per real tensor: pass "
+                    "torch.view_as_real(p) instead"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -104,6 +121,8 @@ class MarsAdamW(torch.optim.Optimizer):
             scale = group["gamma"] * beta1 / (1 - beta1)
             inputs = []
             for p in params:
+                if not self.state[p]:  # reset by the user, or loaded without it
+                    self._init_state(p)
                 grad, state = p.grad, self.state[p]
                 if p.ndim >= 2 or group["optimize_1d"]:
                     corrected = grad + scale * (grad - state["last_grad"])
@@ -114,7 +133,7 @@ class MarsAdamW(torch.optim.Optimizer):
                     inputs.append(grad)
             adamw_update(
                 params, inputs, [self.state[p] for p in params],
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
         return loss

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+from muoneq.optim.contract import check_number
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -98,9 +99,9 @@ class Mousse(HybridOrthogonalOptimizer):
         )
 
     def _validate_extra(self, group: dict) -> None:
-        _number(group, "alpha")
-        _number(group, "precond_beta", high=1.0, high_open=True)
-        _number(group, "precond_eps")
+        check_number(group, "alpha")
+        check_number(group, "precond_beta", high=1.0, high_open=True)
+        check_number(group, "precond_eps")
         every = group["precond_every"]
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"precond_every: expected an integer ≥ 1, got {every!r}")
@@ -129,7 +130,8 @@ class Mousse(HybridOrthogonalOptimizer):
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         L, R = state["L"], state["R"]
-        G = p.grad.reshape(L.shape[0], R.shape[0]).to(L.dtype)
+        # contiguous: a strided gradient would take another BLAS path and round differently
+        G = p.grad.reshape(L.shape[0], R.shape[0]).to(L.dtype).contiguous()
         beta = group["precond_beta"]
         L.mul_(beta).addmm_(G, G.T, alpha=1 - beta)
         R.mul_(beta).addmm_(G.T, G, alpha=1 - beta)

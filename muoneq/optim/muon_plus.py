@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number
+from muoneq.optim.contract import check_number
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 #: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
 NORM_MODES = ("none", "col", "row", "col_row", "row_col")
@@ -88,7 +89,7 @@ class MuonPlus(HybridOrthogonalOptimizer):
         if key not in NORM_MODES:
             raise ValueError(f"norm_mode: unknown value {mode!r}; allowed: {', '.join(NORM_MODES)}")
         group["norm_mode"] = key
-        _number(group, "norm_eps")
+        check_number(group, "norm_eps")
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         U = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])

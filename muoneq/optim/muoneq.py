@@ -16,7 +16,8 @@ from muoneq.newton_schulz import (
     resolve_schedule,
     run_schedule,
 )
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number
+from muoneq.optim.contract import check_number
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
 def diag_pre_cast(M: Tensor, mode: str, eps: float, dtype: torch.dtype,
@@ -100,6 +101,7 @@ class MuonEq(HybridOrthogonalOptimizer):
     """
 
     _extra_defaults = {"mode": "R", "eps": 1e-8, "ns_algorithm": "standard"}
+    added_keys = {"ns_algorithm": "standard"}
     stateless_direction = True
 
     def __init__(
@@ -126,7 +128,7 @@ class MuonEq(HybridOrthogonalOptimizer):
     ):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
-        self._compiled = torch.compile(run_schedule) if compile else None
+        self.compile = compile
         super().__init__(
             params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
@@ -135,9 +137,16 @@ class MuonEq(HybridOrthogonalOptimizer):
             batching=batching, process_group=process_group,
         )
 
+    def _reset_caches(self) -> None:
+        super()._reset_caches()
+        self._compiled = torch.compile(run_schedule) if self.compile else None
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "compile": self.compile}
+
     def _validate_extra(self, group: dict) -> None:
         group["mode"] = canonical_mode(group["mode"])
-        _number(group, "eps")
+        check_number(group, "eps")
         group["ns_algorithm"] = canonical_algorithm(group["ns_algorithm"])
 
     def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, _number, matrix_shape
+from muoneq.optim.contract import check_number
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
 
 
 class NorMuon(HybridOrthogonalOptimizer):
@@ -69,8 +70,8 @@ class NorMuon(HybridOrthogonalOptimizer):
         )
 
     def _validate_extra(self, group: dict) -> None:
-        _number(group, "beta2", high=1.0, high_open=True)
-        _number(group, "eps")
+        check_number(group, "beta2", high=1.0, high_open=True)
+        check_number(group, "eps")
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
