@@ -42,11 +42,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from muoneq.equilibration import diag_pre
+from muoneq.functional import diag_pre, lr_scale, matrix_shape
 from muoneq.newton_schulz import QUINTIC, newton_schulz, ns_flops
 from muoneq.optim import MuonEq
-from muoneq.optim.distributed import balance
-from muoneq.optim.hybrid import lr_scale, matrix_shape
+from muoneq.optim.executors import balance
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}

@@ -4,9 +4,11 @@ Public API::
 
     from muoneq import MuonEq, param_groups, build_optimizer
     opt = MuonEq(param_groups(model, lr=2e-3), mode="R")
+
+Algorithm 1 as functions (one matrix at a time): :mod:`muoneq.functional`.
 """
 
-from muoneq.equilibration import MODES, canonical_mode, diag_pre
+from muoneq.functional import MODES, canonical_mode, diag_pre, muoneq_update
 from muoneq.newton_schulz import newton_schulz
 from muoneq.optim import (
     AdaMuon,
@@ -36,6 +38,7 @@ __all__ = [
     "canonical_mode",
     "describe_groups",
     "diag_pre",
+    "muoneq_update",
     "newton_schulz",
     "param_groups",
     "register_optimizer",

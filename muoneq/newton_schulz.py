@@ -194,6 +194,29 @@ def ns_flops(shape: Sequence[int], steps: int, algorithm: str = "standard") -> f
     return min(standard, sum(4.0 * m * m * n + (8 * L - 6) * m**3 for L in segments))
 
 
+def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, out: Tensor | None = None,
+                       gram: Tensor | None = None, poly: Tensor | None = None) -> Tensor:
+    """One step ``X ← (a·I + b·A + c·A²)·X`` with ``A = X Xᵀ``, for a wide ``X`` or a stack.
+
+    The operations and order of ``torch.optim.Muon`` (``addmm``; ``baddbmm`` for stacks), so
+    that the two agree bit for bit. ``out``, ``gram`` and ``poly`` are optional buffers for the
+    new ``X``, ``A`` and ``b·A + c·A²`` (the optimizer's workspace reuses them between steps).
+    """
+    A = torch.matmul(X, X.mT, out=gram)
+    B = _addmm(A, A, A, beta=b, alpha=c, out=poly)
+    return _addmm(X, B, X, beta=a, out=out)
+
+
+def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
+           out: Tensor | None = None) -> Tensor:
+    """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
+    if C.ndim == 2:
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha, out=out)
+    if C.ndim == 3:
+        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha, out=out)
+    return torch.add(beta * C, A @ B, alpha=alpha, out=out)
+
+
 def newton_schulz(
     G: Tensor,
     steps: int = 5,
@@ -215,48 +238,70 @@ def newton_schulz(
                         resolve_dtype(dtype), algorithm=canonical_algorithm(algorithm))
 
 
-def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype,
+def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
                  workspace: Workspace | None = None, algorithm: str = "standard") -> Tensor:
-    """The iteration of :func:`newton_schulz` for a resolved schedule.
+    """The iteration of :func:`newton_schulz` for a resolved schedule (no validation).
 
     Free of Python-side caches, so ``torch.compile`` can trace it (``MuonEq(compile=True)``).
-    Matrices run through ``addmm`` (the operations and order of ``torch.optim.Muon``, which
-    it matches bit for bit in bf16), stacks ``(B, m, n)`` through ``baddbmm``. With a
-    ``workspace`` a matrix is iterated in its reused buffers (same operations, written with
-    ``out=``; ``G`` itself is normalized in place when it already has ``dtype``): the result
-    is valid until the workspace's next Newton–Schulz call. ``algorithm="gram"`` switches to
-    :func:`gram_iterate` where that needs fewer FLOPs (canonical name expected).
+    With a ``workspace`` a matrix is iterated in its reused buffers (``G`` itself is normalized
+    in place when it already has ``dtype``): the result is valid until the workspace's next
+    Newton–Schulz call. ``algorithm="gram"`` switches to :func:`gram_iterate` where that needs
+    fewer FLOPs (canonical name expected).
     """
+    X, transposed = _normalized_wide(G, dtype, schedule.norm_scale, in_place=workspace is not None)
+    steps = schedule.steps
+    if algorithm == "gram" and ns_flops(X.shape, steps, "gram") < ns_flops(X.shape, steps):
+        X = gram_iterate(X, schedule.coefficients, workspace)
+    else:
+        buffers = workspace is not None and X.ndim == 2
+        for k, (a, b, c) in enumerate(schedule.coefficients):
+            X = newton_schulz_step(X, a, b, c, **(_buffers(workspace, X, k) if buffers else {}))
+    return X.mT if transposed else X
+
+
+def newton_schulz_iterates(
+    G: Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Iterator[Tensor]:
+    """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
+
+    One pass records the whole error curve of Theorem ``th_ns`` (the spectral diagnostics use
+    it); it performs the same operations in the same order as :func:`newton_schulz`, so the
+    last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
+    """
+    if G.ndim < 2:
+        raise ValueError(
+            f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
+        )
+    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
+    X, transposed = _normalized_wide(G, resolve_dtype(dtype), schedule.norm_scale)
+    yield X.mT if transposed else X
+    for a, b, c in schedule.coefficients:
+        X = newton_schulz_step(X, a, b, c)
+        yield X.mT if transposed else X
+
+
+def _normalized_wide(G: Tensor, dtype: torch.dtype, norm_scale: float,
+                     in_place: bool = False) -> tuple[Tensor, bool]:
+    """``X_0 = G/‖G‖_F`` in ``dtype`` (the norm times the schedule's safety factor, clamped at
+    :data:`NORM_EPS` as torch.optim.Muon does), tall matrices transposed to wide; ``in_place``
+    divides ``G`` itself when it already has ``dtype``."""
     X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
-    norm = X.norm(dim=(-2, -1), keepdim=True)
-    scale = (norm * schedule.norm_scale).clamp(min=NORM_EPS)
-    steps = schedule.steps
-    if algorithm == "gram" and ns_flops(X.shape, steps, "gram") < ns_flops(X.shape, steps):
-        X = gram_iterate(X.div_(scale) if workspace is not None else X / scale,
-                         schedule.coefficients, workspace)
-    elif workspace is not None and X.ndim == 2:
-        X = _iterate_in(workspace, X.div_(scale), schedule.coefficients)
-    else:
-        X = X / scale
-        for a, b, c in schedule.coefficients:
-            A = X @ X.mT
-            B = _addmm(A, A, A, beta=b, alpha=c)
-            X = _addmm(X, B, X, beta=a)
-    if transposed:
-        X = X.mT
-    return X
+    scale = (X.norm(dim=(-2, -1), keepdim=True) * norm_scale).clamp(min=NORM_EPS)
+    return (X.div_(scale) if in_place else X / scale), transposed
 
 
-def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0) -> Tensor:
-    """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
-    if C.ndim == 2:
-        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
-    if C.ndim == 3:
-        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha)
-    return beta * C + alpha * (A @ B)
+def _buffers(workspace: Workspace, X: Tensor, k: int) -> dict[str, Tensor]:
+    """Step ``k``'s buffers for a wide matrix ``X``: the iterate alternates between two."""
+    m, n = X.shape
+    take = functools.partial(workspace.take, dtype=X.dtype, device=X.device)
+    return {"gram": take("ns_gram", (m, m)), "poly": take("ns_poly", (m, m)),
+            "out": take(f"ns_x{k % 2}", (m, n))}
 
 
 def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) -> Tensor:
@@ -329,18 +374,6 @@ def _diagonal(t: Tensor) -> Tensor:
     return t.diagonal(dim1=-2, dim2=-1)
 
 
-def _iterate_in(workspace: Workspace, X: Tensor, coefficients) -> Tensor:
-    """The 2-D loop of :func:`run_schedule` in workspace buffers; ``X`` is wide (m ≤ n)."""
-    m, n = X.shape
-    take = functools.partial(workspace.take, dtype=X.dtype, device=X.device)
-    A, B = take("ns_gram", (m, m)), take("ns_poly", (m, m))
-    for k, (a, b, c) in enumerate(coefficients):
-        torch.mm(X, X.mT, out=A)
-        torch.addmm(A, A, A, beta=b, alpha=c, out=B)
-        X = torch.addmm(X, B, X, beta=a, out=take(f"ns_x{k % 2}", (m, n)))
-    return X
-
-
 class Workspace:
     """Scratch tensors reused from matrix to matrix and from step to step.
 
@@ -364,34 +397,3 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-
-def newton_schulz_iterates(
-    G: Tensor,
-    steps: int = 5,
-    coefficients="quintic",
-    dtype: torch.dtype = torch.bfloat16,
-) -> Iterator[Tensor]:
-    """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
-
-    One pass records the whole error curve of Theorem ``th_ns`` (the spectral diagnostics use
-    it); it performs the same operations in the same order as :func:`newton_schulz`, so the
-    last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
-    """
-    if G.ndim < 2:
-        raise ValueError(
-            f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
-        )
-    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    X = G.to(resolve_dtype(dtype))
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    norm = X.norm(dim=(-2, -1), keepdim=True)
-    X = X / (norm * schedule.norm_scale).clamp(min=NORM_EPS)
-    yield X.mT if transposed else X
-    for a, b, c in schedule.coefficients:
-        A = X @ X.mT
-        B = _addmm(A, A, A, beta=b, alpha=c)
-        X = _addmm(X, B, X, beta=a)
-        yield X.mT if transposed else X

@@ -23,7 +23,7 @@ from torch import nn
 from muoneq import MuonEq
 from muoneq.newton_schulz import ns_flops
 from muoneq.optim import Mousse, NorMuon
-from muoneq.optim.distributed import balance, shard_rows
+from muoneq.optim.executors import balance, shard_rows
 
 WORLD = 2
 STEPS = 3

@@ -7,9 +7,7 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, diag_pre
-from muoneq.optim import HybridOrthogonalOptimizer, NorMuon
-from muoneq.optim import hybrid as hybrid_module
-from muoneq.optim.muoneq import diag_pre_cast
+from muoneq.optim import HybridOrthogonalOptimizer, NorMuon, executors
 
 MODES = ["none", "R", "C", "RC"]
 
@@ -39,7 +37,7 @@ def run(make_opt, values, grads):
 def test_fused_diag_pre_is_diag_pre_then_the_cast(mode, dtype):
     M = torch.randn(3, 20, 12) * torch.logspace(-3, 2, 12)  # a stack, columns of many scales
     M[0, 4] = 0  # a zero row with eps > 0
-    got = diag_pre_cast(M, mode, 1e-8, dtype)
+    got = diag_pre(M, mode, 1e-8, dtype=dtype)
     want = diag_pre(M.double(), mode, 1e-8).to(dtype)
     assert got.dtype == dtype and got.shape == M.shape
     tol = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float64: 1e-6}[dtype]
@@ -50,7 +48,7 @@ def test_fused_diag_pre_keeps_zero_rows_and_columns_with_eps_zero():
     M = torch.randn(6, 5)
     M[2] = 0
     M[:, 3] = 0
-    out = diag_pre_cast(M, "RC", 0.0, torch.float32)
+    out = diag_pre(M, "RC", 0.0, dtype=torch.float32)
     assert torch.isfinite(out).all()
     assert (out[2] == 0).all() and (out[:, 3] == 0).all()
     torch.testing.assert_close(out, diag_pre(M, "RC", 0.0))
@@ -74,7 +72,7 @@ def test_stacked_batching_matches_per_matrix(mode, algorithm, monkeypatch):
     # two stacks of one shape (the chunk limit is lowered to 2 matrices), a conv filter, a
     # lone shape
     shapes = [(12, 20)] * 5 + [(8, 3, 2, 2), (20, 12)]
-    monkeypatch.setattr(hybrid_module, "_STACK_ELEMENTS", 2 * 12 * 20)
+    monkeypatch.setattr(executors, "STACK_ELEMENTS", 2 * 12 * 20)
     values, grads = params_and_grads(shapes, dtype=torch.float64)
 
     def make(batching):

@@ -8,7 +8,8 @@ import torch
 from reference import QUINTIC, muoneq_ref
 from torch import nn
 
-from muoneq import MuonEq
+from muoneq import MuonEq, muoneq_update
+from muoneq.functional import lr_scale, update_parameter
 
 F64 = torch.float64
 
@@ -35,6 +36,24 @@ def test_matches_float64_transcription(mode, nesterov, wd, shape):
     expected = muoneq_ref(X0.numpy(), [g.numpy() for g in grads], lr=0.03, beta=0.9,
                           nesterov=nesterov, mode=mode, eps=1e-8, wd=wd)
     np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["none", "R", "C", "RC"])
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("shape", [(12, 7), (6, 10)])
+def test_functional_core_matches_float64_transcription(mode, nesterov, shape):
+    """Algorithm 1 written with the public functions (muoneq_update, update_parameter)."""
+    X0 = torch.randn(shape, dtype=F64)
+    grads = [torch.randn(shape, dtype=F64) * (1 + torch.arange(shape[0], dtype=F64))[:, None]
+             for _ in range(4)]
+    X, M = X0.clone(), torch.zeros(shape, dtype=F64)
+    for G in grads:
+        O = muoneq_update(G, M, beta=0.9, nesterov=nesterov, mode=mode, eps=1e-8,
+                          ns_dtype=torch.float64)
+        update_parameter(X, O, lr=0.03, weight_decay=0.1, scale=lr_scale(shape, "rms"))
+    expected = muoneq_ref(X0.numpy(), [g.numpy() for g in grads], lr=0.03, beta=0.9,
+                          nesterov=nesterov, mode=mode, eps=1e-8, wd=0.1)
+    np.testing.assert_allclose(X.numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["none", "R", "RC"])

@@ -39,7 +39,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
-from muoneq.equilibration import MODES, canonical_mode
+from muoneq.functional import MODES, canonical_mode
 from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from muoneq.diagnostics.metrics import Spectrum, svd_polar
-from muoneq.equilibration import MODES, canonical_mode, diag_pre
+from muoneq.functional import MODES, canonical_mode, diag_pre
 from muoneq.newton_schulz import (
     NSSchedule,
     newton_schulz_iterates,

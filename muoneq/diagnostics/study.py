@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
-from muoneq.equilibration import MODES
+from muoneq.functional import MODES
 
 FAMILIES = ("rotation", "scale")
 FULL_SIZES = ((1024, 1024), (1024, 4096), (4096, 1024), (4096, 4096))

@@ -1,7 +1,7 @@
 """Optimizers: MuonEq, the shared hybrid machinery and the paper's baselines."""
 
 from muoneq.optim.adamuon import AdaMuon
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, lr_scale, matrix_shape
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 from muoneq.optim.mars_adamw import MarsAdamW
 from muoneq.optim.mousse import Mousse
 from muoneq.optim.muon_plus import MuonPlus
@@ -16,6 +16,4 @@ __all__ = [
     "MuonEq",
     "MuonPlus",
     "NorMuon",
-    "lr_scale",
-    "matrix_shape",
 ]

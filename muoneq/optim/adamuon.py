@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
+from muoneq.functional import matrix_shape
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.contract import check_number
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
+from muoneq.optim.base import Hyper
+from muoneq.optim.checks import boolean, decay, nonnegative
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -47,39 +48,11 @@ class AdaMuon(HybridOrthogonalOptimizer):
         Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
     """
 
-    _extra_defaults = {"beta2": 0.999, "eps": 1e-8, "sign_momentum": True}
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        sign_momentum: bool = True,
-        ns_steps: int = 5,
-        ns_coefficients="quintic",
-        ns_dtype=torch.bfloat16,
-        weight_decay: float = 0.1,
-        lr_adjust: str = "rms",
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-    ):
-        super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            beta2=beta2, eps=eps, sign_momentum=sign_momentum,
-        )
-
-    def _validate_extra(self, group: dict) -> None:
-        check_number(group, "beta2", high=1.0, high_open=True)
-        check_number(group, "eps")
-        if not isinstance(group["sign_momentum"], bool):
-            raise ValueError(
-                f"sign_momentum: expected True or False, got {group['sign_momentum']!r}"
-            )
+    hyperparameters = {
+        "beta2": Hyper(0.999, decay, when="use_muon", annotation=float),
+        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
+        "sign_momentum": Hyper(True, boolean, when="use_muon", annotation=bool),
+    }
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)

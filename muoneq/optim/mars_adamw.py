@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 from torch import Tensor
 
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.contract import (
-    check_betas,
-    check_flag,
-    check_group_keys,
-    check_number,
-    evaluate_closure,
-    params_with_grads,
-    scalar,
-    tensor_steps,
-)
+from muoneq.optim.base import Hyper, OptimizerBase
+from muoneq.optim.checks import betas, boolean, nonnegative
 
 
-class MarsAdamW(torch.optim.Optimizer):
+class MarsAdamW(OptimizerBase):
     r"""MARS-AdamW: "MARS: Unleashing the Power of Variance Reduction for Training Large
     Models" (Yuan, Liu, Wu, Zhou, Gu, 2024, arXiv:2411.10438; official code AGI-Arena/MARS),
     the ``mars_type="mars-adamw"``, ``is_approx=True`` variant.
@@ -61,46 +51,17 @@ class MarsAdamW(torch.optim.Optimizer):
         optimize_1d: apply the MARS correction to 0-D/1-D tensors too.
     """
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 3e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.1,
-        gamma: float = 0.025,
-        optimize_1d: bool = False,
-    ):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma,
-                        optimize_1d=optimize_1d)
-        super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._validate(group)
-        except ValueError:
-            self.param_groups.pop()
-            raise
-        for p in group["params"]:
-            self._init_state(p)
-
-    def _init_state(self, p: Tensor) -> None:
-        state = self.state[p]
-        init_adamw_state(p, state)
-        state["last_grad"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        tensor_steps(self.state)
+    hyperparameters = {
+        "lr": Hyper(3e-3, nonnegative, annotation=float),
+        "betas": Hyper((0.9, 0.95), betas),
+        "eps": Hyper(1e-8, nonnegative, annotation=float),
+        "weight_decay": Hyper(0.1, nonnegative, annotation=float),
+        "gamma": Hyper(0.025, nonnegative, annotation=float),
+        "optimize_1d": Hyper(False, boolean, annotation=bool),
+    }
 
     def _validate(self, group: dict) -> None:
-        check_group_keys(group, self.defaults, "MarsAdamW")
-        for key in ("lr", "eps", "weight_decay", "gamma"):
-            check_number(group, key)
-        check_betas(group, "betas")
-        check_flag(group, "optimize_1d")
+        super()._validate(group)
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(
@@ -109,20 +70,20 @@ class MarsAdamW(torch.optim.Optimizer):
                     "torch.view_as_real(p) instead"
                 )
 
+    def _init_state(self, p: Tensor, group: dict) -> None:
+        state = self.state[p]
+        init_adamw_state(p, state)
+        state["last_grad"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
+    def step(self, closure=None):
         """Perform one optimization step; ``closure`` is evaluated with gradients enabled."""
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            params = params_with_grads(group, "MarsAdamW")
-            if not params:
-                continue
+        loss = self._evaluate(closure)
+        for group, params in self._groups_to_step():
             beta1, beta2 = group["betas"]
             scale = group["gamma"] * beta1 / (1 - beta1)
             inputs = []
             for p in params:
-                if not self.state[p]:  # reset by the user, or loaded without it
-                    self._init_state(p)
                 grad, state = p.grad, self.state[p]
                 if p.ndim >= 2 or group["optimize_1d"]:
                     corrected = grad + scale * (grad - state["last_grad"])
@@ -133,8 +94,7 @@ class MarsAdamW(torch.optim.Optimizer):
                     inputs.append(grad)
             adamw_update(
                 params, inputs, [self.state[p] for p in params],
-                lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
         return loss
-

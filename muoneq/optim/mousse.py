@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
+from muoneq.functional import matrix_shape
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.contract import check_number
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
+from muoneq.optim.base import Hyper
+from muoneq.optim.checks import decay, integer, nonnegative
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -69,42 +69,15 @@ class Mousse(HybridOrthogonalOptimizer):
         Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
     """
 
-    _extra_defaults = {"alpha": 0.125, "precond_beta": 0.95, "precond_eps": 1e-5,
-                       "precond_every": 10}
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = False,
-        alpha: float = 0.125,
-        precond_beta: float = 0.95,
-        precond_eps: float = 1e-5,
-        precond_every: int = 10,
-        ns_steps: int = 5,
-        ns_coefficients="quintic",
-        ns_dtype=torch.bfloat16,
-        weight_decay: float = 0.1,
-        lr_adjust: str = "spectral_unclamped",
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-    ):
-        super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            alpha=alpha, precond_beta=precond_beta, precond_eps=precond_eps,
-            precond_every=precond_every,
-        )
-
-    def _validate_extra(self, group: dict) -> None:
-        check_number(group, "alpha")
-        check_number(group, "precond_beta", high=1.0, high_open=True)
-        check_number(group, "precond_eps")
-        every = group["precond_every"]
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"precond_every: expected an integer ≥ 1, got {every!r}")
+    hyperparameters = {
+        "nesterov": HybridOrthogonalOptimizer.hyperparameters["nesterov"].with_default(False),
+        "lr_adjust": HybridOrthogonalOptimizer.hyperparameters["lr_adjust"].with_default(
+            "spectral_unclamped"),
+        "alpha": Hyper(0.125, nonnegative, when="use_muon", annotation=float),
+        "precond_beta": Hyper(0.95, decay, when="use_muon", annotation=float),
+        "precond_eps": Hyper(1e-5, nonnegative, when="use_muon", annotation=float),
+        "precond_every": Hyper(10, integer(1), when="use_muon", annotation=int),
+    }
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)

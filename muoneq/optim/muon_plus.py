@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.contract import check_number
+from muoneq.optim.base import Hyper
+from muoneq.optim.checks import choice, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 #: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
@@ -27,6 +26,10 @@ def _unit_columns(U: Tensor, eps: float) -> Tensor:
 
 def _unit_rows(U: Tensor, eps: float) -> Tensor:
     return _unit_along(U, 1, eps)
+
+
+def _norm_mode_key(mode: str) -> str:
+    return mode.lower().replace("-", "_")
 
 
 _STEPS = {"col": (_unit_columns,), "row": (_unit_rows,),
@@ -58,38 +61,13 @@ class MuonPlus(HybridOrthogonalOptimizer):
         Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
     """
 
-    _extra_defaults = {"norm_mode": "col_row", "norm_eps": 1e-8}
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        norm_mode: str = "col_row",
-        norm_eps: float = 1e-8,
-        ns_steps: int = 5,
-        ns_coefficients="quintic",
-        ns_dtype=torch.bfloat16,
-        weight_decay: float = 0.1,
-        lr_adjust: str = "spectral_unclamped",
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-    ):
-        super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            norm_mode=norm_mode, norm_eps=norm_eps,
-        )
-
-    def _validate_extra(self, group: dict) -> None:
-        mode = group["norm_mode"]
-        key = mode.lower().replace("-", "_") if isinstance(mode, str) else mode
-        if key not in NORM_MODES:
-            raise ValueError(f"norm_mode: unknown value {mode!r}; allowed: {', '.join(NORM_MODES)}")
-        group["norm_mode"] = key
-        check_number(group, "norm_eps")
+    hyperparameters = {
+        "lr_adjust": HybridOrthogonalOptimizer.hyperparameters["lr_adjust"].with_default(
+            "spectral_unclamped"),
+        "norm_mode": Hyper("col_row", choice(*NORM_MODES, normalize=_norm_mode_key),
+                           when="use_muon", annotation=str),
+        "norm_eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
+    }
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         U = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
-from muoneq.equilibration import canonical_mode, pinv_rsqrt
+from muoneq.functional import canonical_mode, diag_pre
 from muoneq.newton_schulz import (
     canonical_algorithm,
     ns_flops,
@@ -16,47 +15,17 @@ from muoneq.newton_schulz import (
     resolve_schedule,
     run_schedule,
 )
-from muoneq.optim.contract import check_number
+from muoneq.optim.base import Hyper
+from muoneq.optim.checks import converted, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
-
-
-def diag_pre_cast(M: Tensor, mode: str, eps: float, dtype: torch.dtype,
-                  out: Tensor | None = None, overwrite: bool = False,
-                  scratch: Tensor | None = None) -> Tensor:
-    """:func:`muoneq.equilibration.diag_pre` fused with the cast to the Newton–Schulz dtype.
-
-    The same map (eq. ``diagpre_family``: row/column sums of ``M⊙M`` from the same ``M`` plus
-    ``eps``, pseudo-inverse at 0, arithmetic in float32 at least), but the result is written
-    once in ``dtype`` (into ``out`` when given). With ``overwrite`` the scaling happens in
-    ``M`` itself (scratch). Row sums are one reduction; column sums square ``M`` into
-    ``scratch`` (float32 at least, ``M``'s shape; allocated when not given) first. ``mode`` is
-    canonical (:func:`~muoneq.equilibration.canonical_mode`); works on batches ``(..., m, n)``.
-    """
-    if out is None:
-        out = torch.empty(M.shape, dtype=dtype, device=M.device)
-    if mode == "none":
-        return out.copy_(M)
-    work = M if M.dtype in (torch.float32, torch.float64) else M.float()
-    scales = []
-    if mode in ("R", "RC"):
-        scales.append(torch.linalg.vector_norm(work, dim=-1, keepdim=True).square_())
-    if mode in ("C", "RC"):
-        # square, then sum: torch's norm over the strided dimension is ~9× slower on CPU
-        scales.append(torch.square(work, out=scratch).sum(dim=-2, keepdim=True))
-    scales = [pinv_rsqrt(d.add_(eps)) for d in scales]
-    inplace = overwrite or work is not M
-    if len(scales) == 2:
-        work = work.mul_(scales[0]) if inplace else work * scales[0]
-    if inplace and out.dtype != work.dtype:  # torch.mul(out=) would allocate the cast
-        return out.copy_(work.mul_(scales[-1]))
-    return torch.mul(work, scales[-1], out=out)
 
 
 class MuonEq(HybridOrthogonalOptimizer):
     r"""MuonEq: balancing before orthogonalization (Chang et al., 2026).
 
     For every matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient
-    ``G`` one step is (Algorithm 1 with the EMA momentum convention):
+    ``G`` one step is Algorithm 1 with the EMA momentum convention (the functions of
+    :mod:`muoneq.functional`, :func:`~muoneq.functional.muoneq_update` for one matrix):
 
     1. ``M ← βM + (1−β)G``; ``M̃ = βM + (1−β)G`` if ``nesterov`` else ``M``;
     2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. ``diagpre_family``): R ``D_r^{-1/2}M̃``,
@@ -69,7 +38,8 @@ class MuonEq(HybridOrthogonalOptimizer):
     parameter is its momentum buffer: DiagPre is recomputed from ``M̃`` each step.
 
     Args:
-        params: parameters or param groups (see :func:`muoneq.param_groups`).
+        params: parameters or param groups (see :func:`muoneq.param_groups`). Every other
+            argument is keyword-only; those before ``distributed`` are also per-group keys.
         lr: learning rate ``η``.
         momentum: ``β`` in [0, 1).
         nesterov: use the Nesterov input ``M̃`` (the paper's "-Nes" variants).
@@ -100,68 +70,41 @@ class MuonEq(HybridOrthogonalOptimizer):
         process_group: the group to split replicated matrices over (default: the world).
     """
 
-    _extra_defaults = {"mode": "R", "eps": 1e-8, "ns_algorithm": "standard"}
+    hyperparameters = {
+        "mode": Hyper("R", converted(canonical_mode), when="use_muon", annotation=str),
+        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
+        "ns_algorithm": Hyper("standard", converted(canonical_algorithm), when="use_muon",
+                              annotation=str),
+    }
     added_keys = {"ns_algorithm": "standard"}
     stateless_direction = True
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        mode: str = "R",
-        eps: float = 1e-8,
-        ns_steps: int = 5,
-        ns_coefficients="quintic",
-        ns_dtype=torch.bfloat16,
-        weight_decay: float = 0.1,
-        lr_adjust: str = "rms",
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        *,
-        ns_algorithm: str = "standard",
-        distributed: bool | str = "auto",
-        batching: str = "auto",
-        compile: bool = False,
-        process_group=None,
-    ):
+    def __init__(self, params, *, compile: bool = False, **hyperparameters):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.compile = compile
-        super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            mode=mode, eps=eps, ns_algorithm=ns_algorithm, distributed=distributed,
-            batching=batching, process_group=process_group,
-        )
+        super().__init__(params, **hyperparameters)
+
+    def _options(self) -> dict:
+        return {**super()._options(), "compile": self.compile}
 
     def _reset_caches(self) -> None:
         super()._reset_caches()
         self._compiled = torch.compile(run_schedule) if self.compile else None
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "compile": self.compile}
-
-    def _validate_extra(self, group: dict) -> None:
-        group["mode"] = canonical_mode(group["mode"])
-        check_number(group, "eps")
-        group["ns_algorithm"] = canonical_algorithm(group["ns_algorithm"])
 
     def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
         """Newton–Schulz in the group's order plus DiagPre's ~4mn."""
         return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """``NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack ``(B, m, n)``."""
+        """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack.
+
+        DiagPre writes its result straight in ``ns_dtype``; a single matrix's temporaries live
+        in the optimizer's workspace (a stack allocates its own).
+        """
         dtype = resolve_dtype(group["ns_dtype"])
         schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
-        if self._compiled is not None:
-            balanced = diag_pre_cast(m_tilde, group["mode"], group["eps"], dtype)
-            return self._compiled(balanced, schedule, dtype, algorithm=group["ns_algorithm"])
-        # one matrix: temporaries in the optimizer's workspace (a stack allocates its own)
-        ws = self._workspace if m_tilde.ndim == 2 else None
+        ws = self._workspace if m_tilde.ndim == 2 and self._compiled is None else None
         out = scratch = None
         if ws is not None:
             out = ws.take("balanced", m_tilde.shape, dtype, m_tilde.device)
@@ -169,7 +112,8 @@ class MuonEq(HybridOrthogonalOptimizer):
                 scratch = ws.take("squares", m_tilde.shape,
                                   torch.promote_types(m_tilde.dtype, torch.float32),
                                   m_tilde.device)
-        balanced = diag_pre_cast(m_tilde, group["mode"], group["eps"], dtype, out=out,
-                                 overwrite=True, scratch=scratch)
-        return run_schedule(balanced, schedule, dtype, workspace=ws,
-                            algorithm=group["ns_algorithm"])
+        balanced = diag_pre(m_tilde, group["mode"], group["eps"], dtype=dtype, out=out,
+                            overwrite=True, scratch=scratch)
+        orthogonalize = self._compiled or run_schedule
+        return orthogonalize(balanced, schedule, dtype, workspace=ws,
+                             algorithm=group["ns_algorithm"])

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
+from muoneq.functional import matrix_shape
 from muoneq.newton_schulz import newton_schulz
-from muoneq.optim.contract import check_number
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer, matrix_shape
+from muoneq.optim.base import Hyper
+from muoneq.optim.checks import decay, nonnegative
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
 class NorMuon(HybridOrthogonalOptimizer):
@@ -44,34 +44,10 @@ class NorMuon(HybridOrthogonalOptimizer):
         Other arguments: as :class:`muoneq.MuonEq` (without ``mode``).
     """
 
-    _extra_defaults = {"beta2": 0.95, "eps": 1e-10}
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict],
-        lr: float = 1e-3,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        beta2: float = 0.95,
-        eps: float = 1e-10,
-        ns_steps: int = 5,
-        ns_coefficients="quintic",
-        ns_dtype=torch.bfloat16,
-        weight_decay: float = 0.1,
-        lr_adjust: str = "rms",
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-    ):
-        super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            lr_adjust=lr_adjust, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            beta2=beta2, eps=eps,
-        )
-
-    def _validate_extra(self, group: dict) -> None:
-        check_number(group, "beta2", high=1.0, high_open=True)
-        check_number(group, "eps")
+    hyperparameters = {
+        "beta2": Hyper(0.95, decay, when="use_muon", annotation=float),
+        "eps": Hyper(1e-10, nonnegative, when="use_muon", annotation=float),
+    }
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)

@@ -85,18 +85,11 @@ def optimizer_schema(name: str) -> type:
     spec = OPTIMIZERS[name]
     fields: list[tuple] = [("name", str, dataclasses.field(default=name))]
     parameters = list(inspect.signature(spec.factory).parameters.values())[1:]  # skip params
-    seen = set()
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         typ, fld = _schema_field(p.annotation, spec.preset.get(p.name, p.default))
         fields.append((p.name, typ, fld))
-        seen.add(p.name)
-    if any(p.kind == p.VAR_KEYWORD for p in parameters):
-        for key, default in getattr(spec.factory, "_extra_defaults", {}).items():
-            if key not in seen:
-                typ, fld = _schema_field(inspect.Parameter.empty, spec.preset.get(key, default))
-                fields.append((key, typ, fld))
     if spec.hybrid:
         fields.append(("routing", Routing, dataclasses.field(default=Routing.default)))
         fields.append(("adamw_names", list[str], dataclasses.field(default_factory=list)))

@@ -1,25 +1,25 @@
-"""Orthogonalization across ranks: a FLOP-balanced split under DDP, whole matrices under FSDP2.
+"""Where each direction is computed: executors per layout, moving data only.
 
-Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n, standard order; see
-:func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums
-span every row), so with several processes the optimizer step is organized around
-*owners*: every matrix of a step is given to one rank, chosen so that each rank's FLOPs
-stay within ``total/W + largest`` (:func:`balance`, greedy longest-processing-time).
-Two layouts are handled:
+The optimizer (:class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`) computes the momentum
+and, on one process, each matrix's direction itself (one matrix at a time, the CPU default).
+Every other layout goes through an executor, which moves data around the same :class:`Work`
+(the optimizer's ``M̃``, direction and update functions):
 
-* **replicated** parameters (plain tensors, as under DDP): every rank already holds every
-  (all-reduced) gradient and updates its own momentum; the owner computes the direction and
-  one ``all_gather_into_tensor`` gives every rank every direction (:func:`exchange_replicated`);
-* **row-sharded** parameters (``DTensor`` with ``Shard(0)``, as under FSDP2's
-  ``fully_shard``): one ``all_to_all`` sends each rank's rows of the (Nesterov-mixed) momentum
-  to the owner, which assembles the whole matrix, and a second one sends each rank its rows of
-  the direction (:func:`exchange_row_sharded`), the scheme of microsoft/dion. Momentum stays
-  sharded like its parameter.
+* :func:`compute` — directions on this rank, per matrix or, for stateless directions, as
+  stacks of same-shape matrices in one batched call (the accelerator default);
+* :func:`split_replicated` — replicated parameters under DDP: every matrix has one owner rank,
+  balanced by FLOPs (:func:`balance`), and one ``all_gather`` gives every rank every
+  direction;
+* :func:`gather_row_shards` — row-sharded ``DTensor`` parameters (FSDP2's ``fully_shard``):
+  one ``all_to_all`` sends each rank's rows of ``M̃`` to the matrix's owner, a second one
+  returns each rank its rows of the direction (the scheme of microsoft/dion);
+* :func:`gather_whole` — row-sharded parameters of methods with state of their own: every
+  rank gathers whole matrices, computes every direction and keeps its rows.
 
-Directions that are not a pure function of the momentum (methods with state of their own)
-cannot be split: for sharded parameters :func:`full_tensor` gathers whole matrices on every
-rank instead. We write these exchanges by hand because torch offers no collective that
-routes whole matrices of a parameter list to chosen ranks; they use only
+Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n; see
+:func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums span
+every row), hence owners. We write these exchanges by hand because torch offers no collective
+that routes whole matrices of a parameter list to chosen ranks; they use only
 ``torch.distributed`` collectives that both gloo and NCCL implement.
 """
 
@@ -38,10 +38,11 @@ from torch import Tensor
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+#: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
+STACK_ELEMENTS = 1 << 26
+
 #: ``sink(slot, direction)``: receives the whole-matrix direction of one slot.
 Sink = Callable[["MatrixSlot", Tensor], None]
-#: ``compute(items, sink)``: computes the directions of ``(slot, m̃ thunk)`` items, calls sink.
-Compute = Callable[[list, Sink], None]
 
 
 @dataclass(eq=False)
@@ -58,14 +59,57 @@ class MatrixSlot:
     momentum: Tensor
     shape: tuple[int, int]
 
-    def m_tilde(self, beta: float, nesterov: bool, out: Tensor | None = None) -> Tensor:
-        """The local (Nesterov-mixed) momentum ``M̃`` (Algorithm 1, line 7), written into
-        ``out`` (a new tensor without it): scratch that the caller may overwrite."""
-        if out is None:
-            out = torch.empty_like(self.grad)
-        if nesterov:
-            return torch.lerp(self.grad, self.momentum, beta, out=out)
-        return out.copy_(self.momentum)
+
+
+@dataclass(eq=False)
+class Work:
+    """What an executor needs from the optimizer for one param group's step."""
+
+    #: this rank's ``M̃`` of a slot (rows first), in scratch that is valid until the next call
+    m_tilde: Callable[[MatrixSlot], Tensor]
+    #: ``(p, M̃, state) → direction`` for one whole matrix (``p = state = None`` for a stack)
+    direction: Callable
+    #: ``X ← (1 − ηλ)X − aη·direction`` on this rank's part of a slot
+    apply: Sink
+    #: FLOPs of one direction of an m×n matrix (what the owners' split balances)
+    cost: Callable[[tuple[int, int]], float]
+    #: dtype of the directions on the wire (the Newton–Schulz dtype: nothing rounds twice)
+    dtype: torch.dtype
+    #: per-parameter state of the optimizer
+    state: Callable[[Tensor], dict]
+    #: whether directions may be computed as stacks (stateless directions only)
+    stacked: bool
+
+    def whole_m_tilde(self, slot: MatrixSlot) -> Callable[[], Tensor]:
+        return lambda: self.m_tilde(slot).reshape(slot.shape)
+
+
+def compute(items: list, work: Work, sink: Sink) -> None:
+    """Directions of ``(slot, whole-M̃ thunk)`` items computed on this rank, given to ``sink``.
+
+    Per matrix, or as stacks of same-shape matrices in one batched call (``work.stacked``:
+    one launch per Newton–Schulz product for the whole stack, at most :data:`STACK_ELEMENTS`
+    elements at a time).
+    """
+    if not work.stacked:
+        for slot, thunk in items:
+            sink(slot, work.direction(slot.param, thunk(), work.state(slot.param)))
+        return
+    buckets: dict[tuple, list] = {}
+    for slot, thunk in items:
+        buckets.setdefault((slot.shape, slot.grad.dtype, slot.grad.device), []).append(
+            (slot, thunk))
+    for (shape, dtype, device), bucket in buckets.items():
+        per_stack = max(1, STACK_ELEMENTS // math.prod(shape))
+        for start in range(0, len(bucket), per_stack):
+            chunk = bucket[start : start + per_stack]
+            stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
+            for j, (_, thunk) in enumerate(chunk):
+                stack[j].copy_(thunk())
+            directions = work.direction(None, stack, None)
+            del stack
+            for j, (slot, _) in enumerate(chunk):
+                sink(slot, directions[j])
 
 
 def is_dtensor(t) -> bool:
@@ -147,30 +191,17 @@ def check_same_gradients(slots: Sequence[MatrixSlot], group) -> None:
         )
 
 
-def exchange_replicated(
-    slots: Sequence[MatrixSlot],
-    thunks: Sequence[Callable[[], Tensor]],
-    compute: Compute,
-    apply: Sink,
-    *,
-    costs: Sequence[float],
-    dtype: torch.dtype,
-    group=None,
-) -> None:
-    """DDP: each rank computes the directions it owns, then all ranks receive all of them.
-
-    ``thunks[i]()`` gives slot ``i``'s whole-matrix ``M̃`` (called on its owner only) and
-    ``costs[i]`` its FLOPs (what :func:`balance` evens out);
-    directions travel in ``dtype`` (the Newton–Schulz dtype, so nothing is rounded twice).
-    """
+def split_replicated(slots: Sequence[MatrixSlot], work: Work, group) -> None:
+    """DDP: each rank computes the directions it owns, then all ranks receive all of them
+    (gradients must be the same on every rank: :func:`check_same_gradients`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owners = balance(costs, world)
+    owners = balance([work.cost(s.shape) for s in slots], world)
     offsets, filled = [], [0] * world
     for s, owner in zip(slots, owners, strict=True):
         offsets.append(filled[owner])
         filled[owner] += math.prod(s.shape)
     width = max(filled)
-    device = slots[0].value.device
+    device, dtype = slots[0].value.device, work.dtype
     send = torch.empty(width, dtype=dtype, device=device)
     where = {id(s): (off, s.shape) for s, off in zip(slots, offsets, strict=True)}
 
@@ -178,36 +209,25 @@ def exchange_replicated(
         off, shape = where[id(slot)]
         send[off : off + math.prod(shape)].view(shape).copy_(direction)
 
-    mine = [(s, t) for s, t, o in zip(slots, thunks, owners, strict=True) if o == rank]
-    compute(mine, into_send)
+    mine = [(s, work.whole_m_tilde(s)) for s, o in zip(slots, owners, strict=True) if o == rank]
+    compute(mine, work, into_send)
     received = torch.empty(world * width, dtype=dtype, device=device)
     _all_gather_single(received, send, group=group)
     for s, owner, off in zip(slots, owners, offsets, strict=True):
         start = owner * width + off
-        apply(s, received[start : start + math.prod(s.shape)].view(s.shape))
+        work.apply(s, received[start : start + math.prod(s.shape)].view(s.shape))
 
 
-def exchange_row_sharded(
-    slots: Sequence[MatrixSlot],
-    local_m_tildes: Sequence[Callable[[], Tensor]],
-    compute: Compute,
-    apply: Sink,
-    *,
-    costs: Sequence[float],
-    dtype: torch.dtype,
-    mesh_dim: int,
-) -> None:
+def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) -> None:
     """FSDP2: gather whole ``M̃`` matrices on their owners, scatter the directions' rows back.
 
-    ``local_m_tildes[i]()`` gives this rank's rows of slot ``i``'s ``M̃`` (any shape with the
-    rows first) and ``costs[i]`` its FLOPs. ``apply`` receives this rank's rows of each
-    direction, shaped ``(rows, n)``. All slots share one device mesh; ``mesh_dim`` is the
-    dimension they are sharded along.
+    ``work.apply`` receives this rank's rows of each direction, shaped ``(rows, n)``. All slots
+    share one device mesh; ``mesh_dim`` is the dimension they are sharded along.
     """
     mesh = slots[0].param.device_mesh
     group, world = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
     rank = mesh.get_local_rank(mesh_dim)
-    owners = balance(costs, world)
+    owners = balance([work.cost(s.shape) for s in slots], world)
     # sizes[i][r]: elements of slot i held by rank r
     sizes = []
     for s in slots:
@@ -232,9 +252,9 @@ def exchange_row_sharded(
     for s in slots:
         carrier = torch.promote_types(torch.promote_types(carrier, s.grad.dtype), s.momentum.dtype)
     send = torch.empty(sum(send_counts), dtype=carrier, device=device)
-    for i, thunk in enumerate(local_m_tildes):
+    for i, slot in enumerate(slots):
         start = send_at[i]
-        send[start : start + sizes[i][rank]].copy_(thunk().reshape(-1))
+        send[start : start + sizes[i][rank]].copy_(work.m_tilde(slot).reshape(-1))
     received = torch.empty(sum(recv_counts), dtype=carrier, device=device)
     dist.all_to_all_single(received, send, recv_counts, send_counts, group=group)
     del send
@@ -248,7 +268,7 @@ def exchange_row_sharded(
             return torch.cat(parts).view(slots[i].shape)
         return assemble
 
-    back = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+    back = torch.empty(sum(recv_counts), dtype=work.dtype, device=device)
     index = {id(slots[i]): i for i in mine}
 
     def into_back(slot: MatrixSlot, direction: Tensor) -> None:
@@ -260,14 +280,33 @@ def exchange_row_sharded(
             piece.view(length, slot.shape[1]).copy_(direction[first : first + length])
             first += length
 
-    compute([(slots[i], whole(i)) for i in mine], into_back)
+    compute([(slots[i], whole(i)) for i in mine], work, into_back)
 
     # 3) every rank receives its rows of every direction, grouped by owner
-    directions = torch.empty(sum(send_counts), dtype=dtype, device=device)
+    directions = torch.empty(sum(send_counts), dtype=work.dtype, device=device)
     dist.all_to_all_single(directions, back, send_counts, recv_counts, group=group)
     for i, s in enumerate(slots):
         start, size = send_at[i], sizes[i][rank]
-        apply(s, directions[start : start + size].view(size // s.shape[1], s.shape[1]))
+        work.apply(s, directions[start : start + size].view(size // s.shape[1], s.shape[1]))
+
+
+def gather_whole(slots: Sequence[MatrixSlot], work: Work) -> None:
+    """FSDP2, a method with state of its own: every rank computes every direction from whole
+    matrices (the parameter with its gradient, ``M̃`` and the state), then keeps its rows."""
+    for s in slots:
+        p = s.param
+        whole_p = p.full_tensor()
+        whole_p.grad = p.grad.full_tensor()
+        m_tilde = full_tensor(p, work.m_tilde(s)).reshape(s.shape)
+        state = work.state(p)
+        whole_state = {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}
+        direction = work.direction(whole_p, m_tilde, whole_state)
+        for k, v in whole_state.items():
+            if is_dtensor(state.get(k)):
+                local(state[k]).copy_(local_part(state[k], v))
+            else:
+                state[k] = v
+        work.apply(s, local_part(p, direction.reshape(p.shape)))
 
 
 def _offsets(sizes, owners, rank, world):
