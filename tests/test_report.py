@@ -180,10 +180,18 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
     out = learning_curves(runs, CurveSpec(tags=["val_loss", "absent"]), AXES, "val_loss",
                           "minimize", tmp_path)
     assert list(out) == ["val_loss"]
-    path, series = out["val_loss"]
-    steps, mean = series["MuonEq-Nes (R) (lr=0.02)"]
-    assert steps == [10, 20, 30] and mean == pytest.approx([20.0, 10.0, 20 / 3])
-    assert path.exists()
+    plot = out["val_loss"]
+    curve = plot.curves["MuonEq-Nes (R) (lr=0.02)"]
+    assert curve.steps == [10, 20, 30] and curve.seeds == 2
+    assert curve.mean == pytest.approx([20.0, 10.0, 20 / 3])
+    assert curve.low == pytest.approx([10.0, 5.0, 10 / 3])  # the min–max band of the seeds
+    assert curve.high == pytest.approx([30.0, 15.0, 10.0])
+    assert imread(plot.path).shape[0] > 100
+    ax = plot.figure.axes[0]  # the figure says what it averages, and over how many seeds
+    assert ax.get_title() == "val_loss: mean over 2 seeds, band: min–max"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "MuonEq-Nes (R) (lr=0.02), 2 seeds"]
+    assert len(ax.collections) == 1  # the band
 
 
 def _add(study, number_cell, seed, value, *, state=TrialState.COMPLETE, outcome="complete",

@@ -274,8 +274,8 @@ class SpectralMonitor(pl.Callback):
             from muoneq.diagnostics.figures import training_curves
 
             fig = training_curves(
-                dict(curves), f"NS error of the pre-NS momentum, step {step} "
-                f"({100 * step / self.total_steps:.0f}% of training, {len(self._selected)} modules)"
+                dict(curves), f"step {step} ({100 * step / self.total_steps:.0f}% of training), "
+                f"{len(self._selected)} modules; band: 25–75% of modules"
             )
             for writer in writers:
                 writer.add_figure("spectra/ns_error_curves", fig, step)

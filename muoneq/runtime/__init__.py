@@ -23,7 +23,8 @@ from muoneq.runtime.config import ConfigError, RunConfig, compose, conf_dir
 from muoneq.runtime.data import ResumableSampler, TaskDataModule
 from muoneq.runtime.module import TaskModule
 from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
-from muoneq.runtime.run import RunFolderError, train
+from muoneq.runtime.record import RunFolderError
+from muoneq.runtime.run import train
 from muoneq.runtime.schedule import build_scheduler, lr_factor
 from muoneq.runtime.tasks import TASKS, TaskSpec, get_task, register_task
 from muoneq.runtime.trainer import build_trainer

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from muoneq.runtime import TaskDataModule
+from muoneq.runtime import ConfigError, TaskDataModule
 from muoneq.tasks.language.data import (
     DEFAULT_VAL_TOKENS,
     PackedSequences,
@@ -82,9 +82,11 @@ def shard_vocab_size(cfg: LanguageDataConfig) -> int:
     if info.is_file():
         prepared = json.loads(info.read_text())["settings"]
         if prepared["tokenizer"] != cfg.tokenizer:
-            raise ValueError(
-                f"task.data.tokenizer={cfg.tokenizer!r}, but {info} says the shards were written "
-                f"with {prepared['tokenizer']!r}"
+            raise ConfigError(
+                f"task.data.tokenizer={cfg.tokenizer} does not match the shards in {cfg.dir}: "
+                f"their {PROGRESS_FILE} says they were written with {prepared['tokenizer']}; "
+                f"pass task.data.tokenizer={prepared['tokenizer']}, or write the shards again "
+                f"with `muoneq data ... --tokenizer {cfg.tokenizer}`"
             )
         return prepared["vocab_size"]
     return load_tokenizer(cfg.tokenizer).n_vocab
