@@ -136,27 +136,17 @@ SWEEP_FILES = {
 
 
 @pytest.mark.parametrize("name", sorted(SWEEP_FILES))
-def test_paper_sweep_files_compose_with_the_runtime(name):
-    """Each sweep file has its paper size, and every kind of trial it launches is a valid
-    ``muoneq train`` config (experiment, optimizer and override keys all exist)."""
-    compose = pytest.importorskip("muoneq.runtime.config").compose
+def test_paper_sweep_files_have_their_paper_size(name):
+    """Each sweep file has its paper size and objective; that every point composes as a
+    ``muoneq train`` config is checked through ``make <target> ARGS=--dry-run``
+    (tests/test_documented_commands.py)."""
     spec = load_sweep(REPO / "sweeps" / f"{name}.yaml")
     runs, metric = SWEEP_FILES[name]
     assert spec.study == name
     assert len(spec.points()) * len(spec.seeds) == runs
     assert spec.objective.metric == metric
     assert spec.report.tables or spec.report.heatmaps or spec.report.lines
-    kinds = {}
-    for p in spec.points():
-        d = p.as_dict()
-        kinds.setdefault((spec.experiment_of(p), d["optimizer"], tuple(d)), p)
-    for p in kinds.values():
-        assert p.as_dict()["optimizer"] in muoneq.OPTIMIZERS
-        cfg = compose([f"experiment={spec.experiment_of(p)}", *spec.overrides, *p.overrides(),
-                       "seed=0", "run.dir=/nonexistent", "resume=auto"])
-        for key, value in p.as_dict().items():
-            if key.startswith("optimizer."):
-                assert cfg.optimizer[key.split(".", 1)[1]] == value
+    assert all(p.as_dict()["optimizer"] in muoneq.OPTIMIZERS for p in spec.points())
 
 
 # ------------------------------------------------------------------------------- grid study

@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -363,8 +364,9 @@ def compose(args: Sequence[str] = (), root: Path | None = None, *,
             cache[key] = chosen, base
     try:
         dotlist = OmegaConf.from_dotlist(overrides)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"command line: {err}") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"command line: a value is not valid YAML ({err}); quote lists of "
+                          "strings, e.g. \"spectra.modules=['*conv*']\"") from None
     for name in ("task.name", "optimizer.name"):
         if OmegaConf.select(dotlist, name) is not None:
             group = name.split(".")[0]

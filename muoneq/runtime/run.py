@@ -40,6 +40,7 @@ from muoneq.runtime.trainer import (
     LAST_PREFIX,
     TENSORBOARD_DIR,
     build_trainer,
+    check_accelerator,
 )
 
 METRICS_FILE = "metrics.json"
@@ -138,6 +139,7 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
     """
     started = time.perf_counter()
+    check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
     metrics_path = run_dir / METRICS_FILE
     finished = metrics_path.is_file()

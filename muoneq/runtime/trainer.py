@@ -86,7 +86,7 @@ class GlobalStepLogger(TensorBoardLogger):
         super().log_metrics(metrics, step + 1 if fitting and step is not None else step)
 
 
-def _check_accelerator(t: DictConfig) -> None:
+def check_accelerator(t: DictConfig) -> None:
     """A clear error for an accelerator this machine does not have (before Lightning's)."""
     if t.accelerator is AcceleratorName.npu:
         try:
@@ -138,7 +138,7 @@ def build_trainer(
     raise :class:`ConfigError`.
     """
     t = cfg.trainer
-    _check_accelerator(t)
+    check_accelerator(t)
     accelerator = NPUAccelerator() if t.accelerator is AcceleratorName.npu else (
         "cuda" if t.accelerator is AcceleratorName.gpu else t.accelerator.value
     )
@@ -168,12 +168,13 @@ def build_trainer(
 
     logger = GlobalStepLogger(save_dir=run_dir, name=TENSORBOARD_DIR, version="",
                               default_hp_metric=False)
+    strategy = build_strategy(t)
     try:
         trainer = L.Trainer(
             accelerator=accelerator,
             devices=devices,
             num_nodes=t.num_nodes,
-            strategy=build_strategy(t),
+            strategy=strategy,
             precision=precision,
             plugins=plugins or None,
             max_epochs=t.max_epochs,
@@ -199,7 +200,13 @@ def build_trainer(
             # Tasks shard their own data (muoneq.runtime.data), so resumed runs replay exactly.
             use_distributed_sampler=False,
         )
-    except MisconfigurationException as err:  # e.g. more devices than this machine has
+        # what Lightning checks only when fit() launches, after the run folder is written:
+        # the launcher's process counts (e.g. SLURM's --ntasks-per-node) against ours
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if environment is not None:
+            environment.validate_settings(trainer.num_devices, trainer.num_nodes)
+    except (MisconfigurationException, ValueError) as err:
+        # e.g. more devices than this machine has, or trainer.devices ≠ SLURM's ntasks-per-node
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"trainer: {first}; check trainer.accelerator ({t.accelerator.value}), "
