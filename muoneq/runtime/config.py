@@ -172,9 +172,9 @@ class TrainerConfig:
 
 @dataclass
 class SpectraConfig:
-    """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures fig3 and
-    fig:e_b_metrics (:class:`muoneq.diagnostics.SpectralMonitor`; CSV ``spectra.csv`` and
-    TensorBoard ``spectra/*`` in the run's log folder)."""
+    """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures 2 and 7
+    (``fig3``, ``fig:e_b_metrics``; :class:`muoneq.diagnostics.SpectralMonitor`; CSV
+    ``spectra.csv`` and TensorBoard ``spectra/*`` in the run's log folder)."""
 
     enabled: bool = False
     #: Module-name patterns (fnmatch) whose weights are measured, e.g. ``["*.mlp.*"]``.
@@ -183,7 +183,7 @@ class SpectraConfig:
     fractions: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 1.0])
     steps: list[int] | None = None
     modes: list[str] = field(default_factory=lambda: ["none", "R", "C", "RC"])
-    #: dtype of the measured Newton–Schulz iteration (float64: Theorem th_ns's exact error).
+    #: dtype of the measured Newton–Schulz iteration (float64: the exact error of Theorem 3.1).
     ns_dtype: str = "float64"
     log_figures: bool = True
 
