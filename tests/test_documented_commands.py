@@ -82,6 +82,7 @@ def tiny_cifar_args(tmp_path: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ make targets
+@pytest.mark.slow
 def test_make_train_llama_tiny(tmp_path):
     env = clean_env(TIKTOKEN_CACHE_DIR=tiktoken_cache())
     text = write_corpus(tmp_path, "txt", make_documents(4000))  # ~40k GPT-2 tokens
@@ -99,6 +100,7 @@ def test_make_train_llama_tiny(tmp_path):
     assert one_line_error(missing.stderr).startswith("muoneq: no text given; pass TEXT=")
 
 
+@pytest.mark.slow
 def test_make_train_cifar10(tmp_path):
     run = tmp_path / "run"
     done = make("train-cifar10", "OPT=sgd", "SEED=1",
@@ -110,6 +112,7 @@ def test_make_train_cifar10(tmp_path):
     assert config["optimizer"]["lr"] == 0.05  # the recipe's (Table 7) SGD learning rate
 
 
+@pytest.mark.slow
 def test_make_figure_ns_geometry_quick(tmp_path):
     done = make("figure-ns-geometry", "QUICK=1",
                 f"ARGS=--sizes 16x16,16x48 --seeds 1 --out {tmp_path / 'ns'}")
@@ -119,6 +122,7 @@ def test_make_figure_ns_geometry_quick(tmp_path):
                        "fig1_rotation.png", "fig1_scale.png", "theorem_bound.png"]
 
 
+@pytest.mark.slow
 def test_make_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
@@ -126,6 +130,7 @@ def test_make_bench_quick(tmp_path):
     assert json.loads(out.read_text())["quick"] is True
 
 
+@pytest.mark.slow
 def test_make_report(tmp_path):
     sweep = {"study": "mini", "experiment": "cifar10_resnet18", "seeds": [0],
              "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.05]}],
@@ -145,6 +150,7 @@ def test_make_report(tmp_path):
     assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
 
 
+@pytest.mark.slow
 def test_make_sweep_targets_dry_run_compose_every_point(tmp_path):
     """Each paper study's target, as documented with ARGS=--dry-run: every point's training
     config composes, and the report step is left out."""

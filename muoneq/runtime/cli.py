@@ -7,17 +7,20 @@ from omegaconf import OmegaConf
 from muoneq.runtime.config import GROUPS, compose, conf_dir
 
 USAGE = """\
-usage: muoneq train [--print-config] [GROUP=FILE ...] [KEY=VALUE ...]
+usage: muoneq train [--print-config] [--debug] [GROUP=FILE ...] [KEY=VALUE ...]
 
 Compose a run config from conf/ and train it. Examples:
   muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes seed=1
   muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.mode=RC \\
-      optimizer.lr=5e-2 trainer.devices=4 trainer.strategy=ddp run.dir=runs/rc-seed1
+      optimizer.lr=5e-2 trainer=ddp trainer.devices=4 run.dir=runs/rc-seed1
   muoneq train experiment=cifar10_resnet18 resume=auto run.dir=runs/rc-seed1
 
 GROUP=FILE picks conf/GROUP/FILE.yaml (or a path to a .yaml file); KEY=VALUE overrides any
 key of the composed config (dotted: optimizer.lr, task.data.root, trainer.max_epochs, ...).
---print-config prints the composed config and exits.
+--print-config prints the composed config and exits. resume=auto continues the run in the run
+folder only if it was run with the same settings (keys that cannot change the result aside), and
+says which keys differ otherwise. Mistakes are one line, `muoneq: <what>; <how to fix>` (exit 2);
+--debug shows the traceback.
 """
 
 

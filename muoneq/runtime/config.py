@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from muoneq.errors import UserError
 from muoneq.runtime.optim import check_optimizer_config, optimizer_schema
 from muoneq.runtime.schedule import ScheduleInterval, ScheduleName
-from muoneq.runtime.tasks import get_task
+from muoneq.runtime.tasks import task_config
 
 GROUPS = ("experiment", "task", "optimizer", "trainer")
 DEFAULT_CHOICES = {
@@ -410,7 +410,7 @@ def _compose_files(choices: dict[str, str], root: Path) -> tuple[dict, DictConfi
     task_name = task_yaml.get("name", files["task"].stem)
     optimizer_name = optimizer_yaml.get("name", files["optimizer"].stem)
     try:
-        task_schema = get_task(task_name).config
+        task_schema = task_config(task_name)
         opt_schema = optimizer_schema(optimizer_name)
     except ValueError as err:
         raise ConfigError(str(err)) from None

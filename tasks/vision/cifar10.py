@@ -10,8 +10,6 @@ after every epoch (``val/acc``, ``best_val_acc``) and pick ``best.ckpt``; with t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
@@ -19,31 +17,11 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from muoneq.runtime import TaskModule, TaskSpec
-from muoneq.tasks.vision.cifar10_data import Cifar10DataConfig, Cifar10DataModule
+from muoneq.tasks.vision.cifar10_data import Cifar10DataModule
+from muoneq.tasks.vision.config import Cifar10TaskConfig
 from muoneq.tasks.vision.resnet import CifarResNet
 
 NUM_CLASSES = 10
-
-
-@dataclass
-class ResNetConfig:
-    #: BasicBlocks per stage: (2, 2, 2, 2) is ResNet-18.
-    blocks: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
-    #: Channels of the first stage (doubled at every stage); 64 is ResNet-18.
-    width: int = 64
-
-    def __post_init__(self) -> None:
-        if not self.blocks or min(self.blocks) < 1:
-            raise ValueError(f"task.model.blocks: expected counts ≥ 1, got {self.blocks}")
-        if self.width < 1:
-            raise ValueError(f"task.model.width: must be ≥ 1, got {self.width}")
-
-
-@dataclass
-class Cifar10TaskConfig:
-    name: str = "cifar10"
-    data: Cifar10DataConfig = field(default_factory=Cifar10DataConfig)
-    model: ResNetConfig = field(default_factory=ResNetConfig)
 
 
 class Cifar10Module(TaskModule):

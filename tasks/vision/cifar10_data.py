@@ -34,41 +34,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from muoneq.errors import DataError, UserError
 from muoneq.runtime import TaskDataModule
+from muoneq.tasks.vision.config import Cifar10DataConfig
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-
-
-@dataclass
-class Cifar10DataConfig:
-    #: A folder (torchvision layout, or holding cifar10.npz) or a .npz file.
-    root: str = "data/cifar10"
-    #: Let torchvision download the python version into ``root`` when it is missing.
-    download: bool = True
-    #: Global batch size (split evenly across processes).
-    batch_size: int = 128
-    eval_batch_size: int = 1000
-    num_workers: int = 0
-    augment: bool = True
-    augment_on_device: bool = False
-    #: Train on the first N training images only (None: all).
-    train_subset: int | None = None
-    #: Hold out the last N training images for validation; 0: validate on the test set.
-    val_size: int = 0
-    drop_last: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "eval_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"task.data.{key}: must be ≥ 1, got {getattr(self, key)}")
-        if self.num_workers < 0 or self.val_size < 0:
-            raise ValueError("task.data.num_workers / task.data.val_size: must be ≥ 0")
-        if self.train_subset is not None and self.train_subset < 1:
-            raise ValueError(
-                f"task.data.train_subset: must be ≥ 1 or null, got {self.train_subset}"
-            )
 
 
 @dataclass
