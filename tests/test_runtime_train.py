@@ -387,3 +387,15 @@ def test_two_process_ddp_on_cpu(tmp_path):
     last = find_resume_checkpoint(run)
     data_root = next(a.split("=", 1)[1] for a in args if a.startswith("task.data.root="))
     assert metrics["test/acc"] == pytest.approx(evaluate(last, data_root, 4, [1]), abs=1e-6)
+
+
+def test_missing_data_is_one_line_with_where_to_put_it(tmp_path, capsys):
+    from muoneq.cli import main
+
+    args = ["train", "experiment=cifar10_resnet18", f"task.data.root={tmp_path / 'none'}",
+            "task.data.download=false", "trainer=cpu", f"run.dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    assert line.startswith(f"muoneq: CIFAR-10 not found at task.data.root={tmp_path / 'none'}; ")
+    assert "task.data.download=true" in line and ".npz" in line and "Traceback" not in err
