@@ -47,11 +47,11 @@ data-c4: $(STAMP) ## tokenize C4 en (T5's tokenizer, C4's validation split) to s
 	$(PY) -m muoneq data --source c4 --tokenizer hf:google-t5/t5-base --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
 
 train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA
-	@test -n "$(TEXT)" || { echo "give TEXT=path/to/tinyshakespeare.txt (any plain-text file)"; exit 2; }
+	@test -n "$(TEXT)" || { echo "muoneq: no text given; pass TEXT=path/to/tinyshakespeare.txt (any plain-text file)" >&2; exit 2; }
 	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M
 	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(ARGS)
 
-figure-ns-geometry: $(STAMP) ## Figure fig1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
+figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
 
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
@@ -60,33 +60,35 @@ bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/ste
 # Paper studies (`muoneq sweep`, then `muoneq report`): WORKERS= trials at once on this machine
 # (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each), STORAGE= a shared
 # study (postgresql://user@host:port/db) for workers on many machines, ARGS= more sweep flags
-# (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"). Re-running the same target
-# continues an interrupted study; nothing finished is run twice. Output: runs/<study>/report/.
-# GPU-hours assume ~40% MFU on H100-class GPUs (see README "Sweeps").
+# (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run checks every
+# run's config and lists the runs, ARGS=--status counts them: no report then). Re-running the
+# same target continues an interrupted study; nothing finished is run twice. Output:
+# runs/<study>/report/. GPU-hours assume ~40% MFU on H100-class GPUs (see README "Sweeps").
 WORKERS ?= 1
 sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --workers $(WORKERS) \
-	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) && \
-	$(PY) -m muoneq report sweeps/$(1).yaml $(if $(STORAGE),--storage $(STORAGE))
+	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) \
+	$(if $(filter --dry-run --status,$(ARGS)),,&& $(PY) -m muoneq report sweeps/$(1).yaml \
+	$(if $(STORAGE),--storage $(STORAGE)))
 
-ablation-cifar10: $(STAMP) ## Table ablation_left: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h)
+ablation-cifar10: $(STAMP) ## Table 2: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h)
 	$(call sweep_and_report,ablation-cifar10)
 
-ablation-gpt2: $(STAMP) ## Table ablation_right: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h)
+ablation-gpt2: $(STAMP) ## Table 3: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h)
 	$(call sweep_and_report,ablation-gpt2)
 
-heatmap-gpt2: $(STAMP) ## Figure heatmap: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h)
+heatmap-gpt2: $(STAMP) ## Figures 4c,d and 8: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h)
 	$(call sweep_and_report,heatmap-gpt2)
 
-ksweep-gpt2: $(STAMP) ## Figure muon_compact a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h)
+ksweep-gpt2: $(STAMP) ## Figure 4a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h)
 	$(call sweep_and_report,ksweep-gpt2)
 
-lrsweep-llama130m: $(STAMP) ## Figure lr_sweep a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h)
+lrsweep-llama130m: $(STAMP) ## Figure 5a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h)
 	$(call sweep_and_report,lrsweep-llama130m)
 
-lrsweep-llama350m: $(STAMP) ## Figure lr_sweep b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h)
+lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h)
 	$(call sweep_and_report,lrsweep-llama350m)
 
-table-llama: $(STAMP) ## Table table-compare: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
+table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
 	$(call sweep_and_report,table-llama)
 
 report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in runs/
@@ -96,7 +98,7 @@ report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); d
 		found=0; for d in runs/*/; do \
 			if [ -f "$$d/optuna.journal" ]; then found=1; $(PY) -m muoneq report "$$d" || exit 1; fi; \
 		done; \
-		[ $$found = 1 ] || { echo "no study under runs/: run a sweep target first, or pass STUDY=..."; exit 2; }; \
+		[ $$found = 1 ] || { echo "muoneq: no study under runs/; run a sweep target first, or pass STUDY=runs/<name>" >&2; exit 2; }; \
 	fi
 
 # One run of the paper's CIFAR-10 recipe (conf/experiment/cifar10_resnet18.yaml), e.g.

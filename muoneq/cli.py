@@ -2,12 +2,19 @@
 
 Sub-commands are imported lazily so that ``muoneq --help`` stays fast and a missing optional
 dependency of one job never breaks another. Each entry names a ``main(argv) -> int``.
+
+Expected mistakes (:class:`muoneq.errors.UserError`) are printed as one line,
+``muoneq: <what>; <how to fix>``, with exit status 2; ``--debug`` (anywhere on the command line)
+or ``MUONEQ_DEBUG=1`` shows their traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from muoneq.errors import UserError, format_error
 
 #: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "spectra": (
         "muoneq.diagnostics.cli",
-        "Newton–Schulz geometry study on synthetic matrices (paper Figure fig1)",
+        "Newton–Schulz geometry study on synthetic matrices (paper Figure 1)",
     ),
     "sweep": (
         "muoneq.sweeps.cli",
@@ -40,8 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("MUONEQ_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print("usage: muoneq <command> [args...]\n\ncommands:")
+        print("usage: muoneq [--debug] <command> [args...]\n\ncommands:")
         for name, (_, text) in sorted(COMMANDS.items()):
             print(f"  {name:<10} {text}")
         return 0
@@ -52,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    except UserError as err:
+        if debug:
+            raise
+        print(format_error(err), file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -257,3 +257,38 @@ def test_cli_reports_bad_arguments(tmp_path, capsys):
         main(["spectra", "--sizes", "12by20"])
     assert main(["spectra", "--kappas", "0.5", "--out", str(tmp_path)]) == 2
     assert "kappas" in capsys.readouterr().err
+
+
+def test_figures_keep_titles_inside_and_legends_off_the_data():
+    """What the eye checks, as numbers: every title lies inside the figure, legends sit below
+    the panels (none on an axes), and linear axes carry plain tick labels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from muoneq.diagnostics import figures
+
+    modes, spreads, sizes = ("none", "R", "C", "RC"), (10.0, 1000.0), ((8, 8), (8, 32))
+    curves = {(s, m, n, mo): [1.0 - 0.1 * k for k in range(6)]
+              for s in spreads for m, n in sizes for mo in modes}
+    stats = {"condition_number": 30.0, "ns_error": 1.0, "bias": 0.5, "stable_rank": 30.0,
+             "entropy": 2.0}
+    summary = dict.fromkeys(curves, stats)
+    made = [
+        figures.study_fig1(curves, summary, "scale", spreads, sizes, modes, 5),
+        figures.study_decomposition(summary, "rotation", spreads, sizes, modes, 5),
+        figures.study_bound([("a", {m: [1.0, 0.5] for m in modes},
+                              {m: [0.9, 0.4] for m in modes})], modes),
+        figures.training_curves({m: [[1.0, 0.5, 0.2]] * 3 for m in modes},
+                                "step 1234 (50% of training), 48 modules; band: 25–75% of "
+                                "modules"),
+    ]
+    for fig in made:
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        box = fig.bbox
+        title = fig._suptitle.get_window_extent(renderer)
+        assert box.x0 <= title.x0 and title.x1 <= box.x1 and title.y1 <= box.y1, title
+        assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    stable_rank_axis = made[1].axes[2 * len(sizes)]  # third row: stable rank
+    assert stable_rank_axis.get_ylabel() == "stable rank sr(S(M))"
+    assert stable_rank_axis.get_yscale() == "linear"

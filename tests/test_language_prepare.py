@@ -143,17 +143,18 @@ def test_raising_the_budget_extends_the_folder(tmp_path):
 def test_errors(tmp_path, capsys):
     path = write_corpus(tmp_path, "jsonl", make_documents(50))
     assert run(tmp_path / "out", [path]) == 0
-    assert run(tmp_path / "out", [path], shard_tokens=500) == 1
-    assert "other settings" in capsys.readouterr().err
+    assert run(tmp_path / "out", [path], shard_tokens=500) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the progress bars
+    assert err.startswith("muoneq: ") and "other settings" in err
     bad = tmp_path / "notes.csv"
     bad.write_text("a,b")
-    assert run(tmp_path / "x", [bad]) == 1
+    assert run(tmp_path / "x", [bad]) == 2
     assert "cannot tell the format" in capsys.readouterr().err
-    assert run(tmp_path / "x", [tmp_path / "missing*.jsonl"]) == 1
+    assert run(tmp_path / "x", [tmp_path / "missing*.jsonl"]) == 2
     assert "no file matches" in capsys.readouterr().err
-    assert run(tmp_path / "y", [path], "--text-field", "body") == 1
+    assert run(tmp_path / "y", [path], "--text-field", "body") == 2
     assert "no column 'body'; columns: text, id" in capsys.readouterr().err
-    assert run(tmp_path / "z", [path], val_tokens=10**6) == 1
+    assert run(tmp_path / "z", [path], val_tokens=10**6) == 2
     assert "validation split needs more" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run(tmp_path / "z", [path], tokens="lots")

@@ -90,13 +90,21 @@ def scalars(run_dir, tag):
 @pytest.mark.slow
 def test_tiny_run_end_to_end(shards, tmp_path):
     metrics = train(tiny(shards, tmp_path / "run", "trainer.max_steps=25",
-                         "schedule.total_steps=25"))
+                         "schedule.total_steps=25", "trainer.log_every_n_steps=1"))
     assert metrics["val/tokens"] == 1024  # exactly the validation budget
     assert metrics["global_step"] == 25
     assert metrics["tokens"] == 25 * 8 * 32 and metrics["tokens_per_step"] == 256
-    validations = [(s, v) for s, v in scalars(tmp_path / "run", "val/ppl") if not math.isnan(v)]
-    # every 10 steps (Lightning logs them at the step before) and on the final weights
-    assert [step for step, _ in validations] == [9, 19, 25]
+    validations = scalars(tmp_path / "run", "val/ppl")
+    # every 10 steps and on the final weights, at the global step (no NaN point before)
+    assert [step for step, _ in validations] == [10, 20, 25]
+    # the running best is in TensorBoard too, and the lr of step k is logged at k
+    best_curve = scalars(tmp_path / "run", "best_val_ppl")
+    assert [s for s, _ in best_curve] == [10, 20, 25]
+    assert [v for _, v in best_curve] == pytest.approx(
+        [min(v for _, v in validations[:i + 1]) for i in range(3)])
+    lrs = scalars(tmp_path / "run", "lr/muon")
+    assert [s for s, _ in lrs] == list(range(1, 26)) and scalars(tmp_path / "run", "lr/adamw")
+    assert [s for s, _ in scalars(tmp_path / "run", "train/loss")][:2] == [1, 2]
     assert validations[0][1] > validations[1][1] > validations[2][1]  # perplexity falls
     assert metrics["val/ppl"] == pytest.approx(validations[-1][1])
     # the final weights are the best: best.ckpt holds them, not step 20's
@@ -167,7 +175,8 @@ def test_config_errors(shards, tmp_path):
         tiny(shards, tmp_path, "task.data.micro_batch_size=3")
     with pytest.raises(ConfigError, match="tie_embeddings"):
         tiny(shards, tmp_path, "task.model.tie_embeddings=true")
-    with pytest.raises(ValueError, match="written with 'byte'"):
+    with pytest.raises(ConfigError, match="tokenizer=gpt2 does not match .* written with byte; "
+                                          "pass task.data.tokenizer=byte"):
         train(tiny(shards, tmp_path / "x", "task.data.tokenizer=gpt2"))
     info = json.loads((shards / "prepare.json").read_text())
     assert info["settings"]["vocab_size"] == 257

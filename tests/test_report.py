@@ -4,18 +4,17 @@ and a study read back from its Optuna storage."""
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import optuna
 import pytest
 import yaml
 from matplotlib.image import imread
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState, create_trial
+from optuna.trial import TrialState
+from report_helpers import add_trial
 
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
-from muoneq.report.figures import heatmaps, learning_curves, line_plot
+from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
 from muoneq.report.tables import build_table, to_latex, to_markdown
 from muoneq.sweeps.spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec, load_sweep
 from muoneq.sweeps.storage import open_storage
@@ -75,6 +74,14 @@ def test_ablation_table_markdown_matches_hand_computed_means_and_stds():
     assert "sample std" in md
     notes = [line for line in lines if line.startswith("- note:")]
     assert len(notes) == 1 and "MuonEq-Nes (C)" in notes[0] and "edge" in notes[0]
+
+
+def test_edge_of_grid_note_on_two_point_grids():
+    rows = [(opt("sgd", 0.1), [0.90]), (opt("sgd", 0.05), [0.93])]
+    table = build_table(runs_of(rows, "acc"), TableSpec(name="t"), AXES, "acc", "maximize",
+                        [p for p, _ in rows])
+    assert table.notes == ["SGD: best lr=0.05 is at the edge of its grid ['0.05', '0.1']; "
+                           "extend the grid"]
 
 
 def test_ablation_table_latex():
@@ -145,7 +152,15 @@ def test_heatmaps_have_the_grid_axes_a_shared_scale_and_robustness(tmp_path):
             assert next(csv.reader(fh)) == ["momentum \\ lr", "0.001", "0.002", "0.005"]
     # best cell 25.0; within 3%: ≤ 25.75 → MuonEq: 25.0, 25.0, 25.5, 25.5 (4/6); Muon: 26 > 25.75
     assert [p.robustness for p in panels] == [0.0, pytest.approx(4 / 6)]
+    # each panel's own best: Muon 26.0 (≤ 26.78: 26, 26, 26.5, 26.5 → 4/6), MuonEq 25.0 (4/6)
+    assert [p.best for p in panels] == [26.0, 25.0]
+    assert [p.robustness_own for p in panels] == [pytest.approx(4 / 6)] * 2
     assert (tmp_path / "robustness.png").exists()
+    md = robustness_markdown(panels, spec, "val_ppl", "minimize").splitlines()
+    assert md[0] == ("| panel | best val_ppl | cells within 3% of the best of all panels (25) | "
+                     "cells within 3% of the panel's own best |")
+    assert md[2:] == ["| Muon-Nes \\| K=5 | 26 | 0% (0/6) | 67% (4/6) |",
+                      "| MuonEq-Nes (R) \\| K=5 | 25 | 67% (4/6) | 67% (4/6) |"]
 
 
 def test_k_sweep_lines_pick_the_best_lr_per_k(tmp_path):
@@ -180,24 +195,18 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
     out = learning_curves(runs, CurveSpec(tags=["val_loss", "absent"]), AXES, "val_loss",
                           "minimize", tmp_path)
     assert list(out) == ["val_loss"]
-    path, series = out["val_loss"]
-    steps, mean = series["MuonEq-Nes (R) (lr=0.02)"]
-    assert steps == [10, 20, 30] and mean == pytest.approx([20.0, 10.0, 20 / 3])
-    assert path.exists()
-
-
-def _add(study, number_cell, seed, value, *, state=TrialState.COMPLETE, outcome="complete",
-         study_dir: Path):
-    point, cell = number_cell
-    key = f"{cell} | seed={seed}"
-    rel = f"trials/{cell.replace(' ', ',')}/seed{seed}"
-    study.add_trial(create_trial(
-        state=state, value=value if state == TrialState.COMPLETE else None,
-        params={"cell": cell, "seed": seed},
-        distributions={"cell": CategoricalDistribution([cell]),
-                       "seed": CategoricalDistribution([seed])},
-        user_attrs={"run_key": key, "point": point, "seeds": [seed], "run_dirs": [rel],
-                    "metrics": {"test_acc": value}, "outcome": outcome}))
+    plot = out["val_loss"]
+    curve = plot.curves["MuonEq-Nes (R) (lr=0.02)"]
+    assert curve.steps == [10, 20, 30] and curve.seeds == 2
+    assert curve.mean == pytest.approx([20.0, 10.0, 20 / 3])
+    assert curve.low == pytest.approx([10.0, 5.0, 10 / 3])  # the min–max band of the seeds
+    assert curve.high == pytest.approx([30.0, 15.0, 10.0])
+    assert imread(plot.path).shape[0] > 100
+    ax = plot.figure.axes[0]  # the figure says what it averages, and over how many seeds
+    assert ax.get_title() == "val_loss: mean over 2 seeds, band: min–max"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "MuonEq-Nes (R) (lr=0.02), 2 seeds"]
+    assert len(ax.collections) == 1  # the band
 
 
 def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, capsys):
@@ -218,10 +227,10 @@ def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, cap
     cells = [(p.as_dict(), p.key) for p in spec.points()]
     values = {0: (0.90, 0.92), 1: (0.94, 0.95), 2: (0.95, 0.97)}
     for i, (a, b) in values.items():
-        _add(study, cells[i], 0, a, study_dir=study_dir)
-        _add(study, cells[i], 1, b, study_dir=study_dir)
-    _add(study, cells[0], 0, 0.99, study_dir=study_dir)  # a repeat of a finished run: ignored
-    _add(study, cells[1], 0, None, state=TrialState.FAIL, outcome="failed", study_dir=study_dir)
+        add_trial(study, cells[i], 0, a)
+        add_trial(study, cells[i], 1, b)
+    add_trial(study, cells[0], 0, 0.99)  # a repeat of a finished run: ignored
+    add_trial(study, cells[1], 0, None, state=TrialState.FAIL, outcome="failed")
     data = load_study_data(study_dir)
     assert len(data.runs) == 6 and data.duplicates == [6]
     assert report_main([str(study_dir), "--no-tensorboard"]) == 0
@@ -235,3 +244,29 @@ def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, cap
     report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"))
     assert (report.out_dir / "tensorboard").is_dir()
     assert [label for label, _, _ in report.tables[0].rows] == ["SGD", "Muon-Nes", "MuonEq-Nes"]
+
+
+def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
+    sweep = {"study": "hm", "experiment": "gpt2_small_fineweb", "seeds": [0],
+             "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [1e-3, 2e-3],
+                       "optimizer.momentum": [0.9, 0.95]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"},
+             "report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}],
+                        "tables": [{"name": "t", "select": ["optimizer.lr",
+                                                            "optimizer.momentum"]}]}}
+    path = tmp_path / "hm.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(path)
+    study_dir = tmp_path / "runs" / "hm"
+    study = optuna.create_study(study_name="hm", storage=open_storage(None, study_dir),
+                                direction="maximize")
+    for i, p in enumerate(spec.points()):
+        add_trial(study, (p.as_dict(), p.key), 0, 0.9 + 0.01 * i)
+    for _ in range(2):  # a second report replaces the first one's TensorBoard images
+        report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"))
+    assert len(list((report.out_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
+    markdown = (report.out_dir / "report.md").read_text()
+    pngs = sorted(p.name for p in report.out_dir.glob("*.png"))
+    assert "robustness.png" in pngs and len(pngs) == 3
+    for name in pngs:
+        assert f"]({name})" in markdown, name

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
-from muoneq.runtime import build_trainer, compose
+from muoneq.runtime import ConfigError, build_trainer, compose
 from muoneq.runtime.accelerators import NPUAccelerator, peak_memory
 from muoneq.runtime.trainer import FSDP2Strategy, build_strategy
 
@@ -21,7 +21,7 @@ def test_npu_is_registered_and_explains_a_missing_torch_npu(tmp_path):
     if NPUAccelerator.is_available():
         pytest.skip("torch_npu is installed here")
     cfg = compose([*BASE, "trainer=npu"])
-    with pytest.raises(RuntimeError, match=r"torch_npu.*not installed.*pip install torch-npu"):
+    with pytest.raises(ConfigError, match=r"torch_npu.*not installed; .*pip install torch-npu"):
         build_trainer(cfg, tmp_path, monitor="val/acc", monitor_mode="max")
 
 
@@ -46,7 +46,7 @@ torch.utils.rename_privateuse1_backend("npu")
 torch.npu = types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: True,
                                   set_device=lambda d: None, empty_cache=lambda: None)
 sys.modules["torch_npu"] = types.ModuleType("torch_npu")
-from muoneq.runtime import build_trainer, compose
+from muoneq.runtime import ConfigError, build_trainer, compose
 for trainer_file in ("npu", "fsdp2"):
     args = ["task=cifar10", "trainer.max_steps=1", f"trainer={trainer_file}",
             "trainer.accelerator=npu", "trainer.devices=2"]

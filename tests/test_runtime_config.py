@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,6 @@ def test_precedence_command_line_over_experiment_over_group_files():
     assert cfg.optimizer.ns_steps == 5  # from conf/optimizer/muoneq_nes.yaml
     assert cfg.run.name.startswith("cifar10_resnet18-muoneq_nes-seed2-")
     assert "optimizer.mode=RC" in cfg.run.name  # runs differing by overrides do not collide
-    assert compose([*PAPER, "seed=1"]).run.name == "cifar10_resnet18-muoneq_nes-seed1"
     assert compose([*PAPER, "run.dir=/x/y"]).run.dir == "/x/y"
     # without the experiment, the optimizer file's paper defaults (LLaMA2-130M table) apply
     plain = compose(["task=cifar10", "optimizer=muoneq_nes", "trainer.max_steps=10"])
@@ -134,17 +134,49 @@ def test_group_errors(tmp_path):
         compose([f"experiment={bad}", "task=cifar10"])
 
 
-def test_cli_reports_config_errors_without_a_traceback(capsys):
+def test_cli_reports_config_errors_as_one_line_and_debug_shows_the_traceback(capsys,
+                                                                               monkeypatch):
     from muoneq.cli import main
 
     assert main(["train", *PAPER, "optimizer.lrr=1"]) == 2
     err = capsys.readouterr().err
-    assert "config error" in err and "optimizer.lrr" in err and "Traceback" not in err
+    assert err.startswith("muoneq: ") and err.count("\n") == 1 and "Traceback" not in err
+    what, fix = err.split("; ", 1)
+    assert "optimizer.lrr" in what and "allowed keys: " in fix and "lr" in fix
+    with pytest.raises(ConfigError, match="optimizer.lrr"):  # --debug: the exception itself
+        main(["train", *PAPER, "optimizer.lrr=1", "--debug"])
+    monkeypatch.setenv("MUONEQ_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(["train", *PAPER, "optimizer.lrr=1"])
+    monkeypatch.delenv("MUONEQ_DEBUG")
     assert main(["train", *PAPER, "--print-config", "optimizer=sgd"]) == 0
     out = capsys.readouterr().out
     assert "name: sgd" in out and "max_epochs: 100" in out
     assert main(["train", "--help"]) == 0
     assert "cifar10_resnet18" in capsys.readouterr().out
+
+
+def test_default_run_names_are_unique_and_shell_safe():
+    def name(*args):
+        return compose([*PAPER, *args]).run.name
+
+    assert name("seed=1") == "cifar10_resnet18-muoneq_nes-seed1"
+    assert name("optimizer=sgd") == "cifar10_resnet18-sgd-seed0"
+    long_root = "/data/" + "x" * 190
+    a = name(f"task.data.root={long_root}/a.npz", "task.data.train_subset=512")
+    b = name(f"task.data.root={long_root}/b.npz", "task.data.train_subset=51")
+    assert a != b and len(a) < 120  # they differ after character 200: the hash tells them apart
+    assert a.startswith("cifar10_resnet18-muoneq_nes-seed0-task.data.root=_data_xxx")
+    odd = name("spectra.modules=['*conv*']", "task.model.blocks=[1,1]")
+    assert re.fullmatch(r"[A-Za-z0-9_.=-]+", odd), odd
+    # one setting, however it is written: the resolved value names the run
+    assert name("optimizer.lr=5e-2", "optimizer.mode=RC") == name("optimizer.mode=RC",
+                                                                  "optimizer.lr=0.05")
+    assert name("optimizer.lr=0.5") != name("optimizer.lr=0.05")
+    assert name("trainer=cpu") != name()  # a group choice is a setting too
+    # keys that cannot change the result do not make another run
+    assert name("trainer.progress=quiet", "trainer.log_every_n_steps=7", "resume=auto",
+                "task.data.num_workers=3") == name()
 
 
 def test_conf_dir_env(tmp_path, monkeypatch):

@@ -49,3 +49,29 @@ def test_scheduler_drives_both_paths_and_resolves_the_budget_lazily():
     for lrs, want in zip(seen, expected, strict=True):
         assert lrs == [pytest.approx(want)] * 2  # matrix and AdamW groups alike
     torch.save(sched.state_dict(), io.BytesIO())  # checkpointable (no closure in the state)
+
+
+def test_schedule_warnings_for_runs_they_do_not_fit():
+    from muoneq.runtime.schedule import schedule_warnings
+
+    def warn(**kw):
+        args = dict(name="cosine", interval="step", warmup_steps=10, total_steps=None,
+                    budget=100, min_lr_ratio=0.1)
+        return schedule_warnings(**{**args, **kw})
+
+    assert warn() == [] and warn(total_steps=100) == []
+    # the 6-step GPT-2 run with 1,000 warmup steps: step 6 uses 6/1000 of the peak lr
+    (text,) = warn(warmup_steps=1000, budget=6)
+    assert text.startswith("schedule.warmup_steps=1000 is not shorter than this run's 6 "
+                           "optimizer steps: the lr never decays")
+    assert "last step uses 0.006 × optimizer.lr; lower schedule.warmup_steps" in text
+    (text,) = warn(warmup_steps=5, budget=5)  # the peak only at the very last step
+    assert "last step uses 1 × optimizer.lr" in text
+    (short,) = warn(total_steps=60)
+    assert "schedule.total_steps=60 differs from this run's 100 optimizer steps" in short
+    assert "the last 40 optimizer steps stay at min_lr_ratio" in short
+    assert "training stops at 100, before the cosine reaches its end (150)" in (
+        warn(total_steps=150)[0])
+    assert warn(name="constant", total_steps=60) == []  # constant: the length does not matter
+    assert "this run's 3 epochs" in warn(interval="epoch", warmup_steps=3, budget=3)[0]
+    assert len(warn(warmup_steps=70, total_steps=60)) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -59,17 +60,26 @@ def state_of(checkpoint: Path) -> dict:
     return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
 
 
-def evaluate(checkpoint: Path, data_root: str, width: int, blocks: list[int]) -> float:
-    """Top-1 accuracy of a checkpoint's network on the whole test set, in one process."""
+def evaluate(checkpoint: Path, data_root: str, width: int, blocks: list[int],
+             split: slice | None = None) -> float:
+    """Top-1 accuracy of a checkpoint's network, in one process: on the whole test set, or on
+    the training images ``split`` selects."""
     model = CifarResNet(blocks=blocks, width=width)
     state = {k.removeprefix("model."): v for k, v in state_of(checkpoint).items()
              if k.startswith("model.")}
     model.load_state_dict(state)
     model.eval()
     data = load_cifar10(data_root)
+    x, y = (data.x_test, data.y_test) if split is None else (data.x_train[split],
+                                                             data.y_train[split])
     with torch.no_grad():
-        predictions = model(normalize(data.x_test)).argmax(-1)
-    return (predictions == data.y_test).float().mean().item()
+        predictions = model(normalize(x)).argmax(-1)
+    return (predictions == y).float().mean().item()
+
+
+def metrics_root(tmp_path: Path) -> str:
+    """The tiny CIFAR archive that tiny() points task.data.root at."""
+    return next(a.split("=", 1)[1] for a in tiny(tmp_path) if a.startswith("task.data.root="))
 
 
 # ----------------------------------------------------------------------------- experiments
@@ -86,7 +96,7 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
     metrics = train(cfg)
     assert metrics["global_step"] == 1 and metrics["status"] == "finished"
     assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["final"] is not None and np.isfinite(metrics["final"])
+    assert np.isfinite(metrics[metrics["paper_metric"]])  # test/acc, val/ppl
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -105,11 +115,12 @@ def test_cifar_recipe_decays_the_lr_once_per_epoch_as_cosine_annealing(tmp_path)
         reference.step()
         annealing.step()
     events = EventAccumulator(str(run / "tensorboard")).Reload()
-    for tag in ("lr-MuonEq/pg1", "lr-MuonEq/pg2"):  # the matrix and the AdamW group
+    for tag in ("lr/muon", "lr/adamw"):  # the matrix and the AdamW group
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
-        assert [s for s, _ in logged] == list(range(12))  # 4 batches per epoch
+        assert [s for s, _ in logged] == list(range(1, 13))  # 4 batches per epoch
+        # the lr of the k-th optimizer step, at global step k
         np.testing.assert_allclose([v for _, v in logged],
-                                   [per_epoch[s // 4] for s, _ in logged], rtol=1e-6)
+                                   [per_epoch[(s - 1) // 4] for s, _ in logged], rtol=1e-6)
 
 
 def test_spectra_section_measures_the_pre_ns_momentum_during_the_run(tmp_path):
@@ -134,47 +145,71 @@ def test_spectra_section_measures_the_pre_ns_momentum_during_the_run(tmp_path):
         compose(tiny(tmp_path, "spectra.enabled=true", "spectra.fractions=[0.0]"))
 
 
-def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path):
+def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
     run = tmp_path / "run"
+    # 8 of the 32 training images held out for validation: 3 steps of 8 per epoch
     cfg = compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}", "seed=3",
-                       "trainer.log_every_n_steps=2"))
+                       "trainer.log_every_n_steps=2", "task.data.val_size=8",
+                       "trainer.progress=log"))
     metrics = train(cfg, argv=["experiment=cifar10_resnet18", "seed=3"])
 
     saved = json.loads((run / "metrics.json").read_text())
     assert saved == metrics
     assert saved["monitor"] == "val/acc" and saved["monitor_mode"] == "max"
-    assert saved["global_step"] == 12 and saved["epochs"] == 3 and saved["world_size"] == 1
+    assert saved["paper_metric"] == "test/acc"
+    assert saved["global_step"] == 9 and saved["epochs"] == 3 and saved["world_size"] == 1
     for key in ("best", "final", "test/acc", "test/loss", "step_time_s", "peak_memory_gb",
                 "wall_clock_s", "train_seconds"):
         assert isinstance(saved[key], float) and saved[key] >= 0, key
     assert saved["best"] >= saved["final"]  # max over the epochs' val/acc
+    assert saved["best_val_acc"] == saved["best"]
     assert saved["peak_memory_kind"] == "host_rss"
 
-    # test/acc is the final weights' accuracy on every test image, recomputed independently
-    last = run / "checkpoints" / "last-step000000012.ckpt"
+    # test/acc is the final weights' accuracy on every test image, recomputed independently;
+    # val/acc is theirs on the 8 held-out training images, never on the test set
+    last = run / "checkpoints" / "last-step000000009.ckpt"
     assert find_resume_checkpoint(run) == last and (run / "checkpoints" / "best.ckpt").is_file()
     data_root = cfg.task.data.root
     assert saved["test/acc"] == pytest.approx(evaluate(last, data_root, 4, [1]), abs=1e-6)
+    assert saved["val/acc"] == pytest.approx(
+        evaluate(last, data_root, 4, [1], split=slice(-8, None)), abs=1e-6)
 
     written = OmegaConf.load(run / "config.yaml")
     assert written.seed == 3 and written.optimizer.name == "muoneq_nes"
     assert written.provenance.muoneq_version == saved["muoneq_version"]
     assert written.provenance.command == "muoneq train experiment=cifar10_resnet18 seed=3"
     assert len(written.provenance.git_commit or "") in (0, 40)
+    assert written.provenance.world_size == 1 and len(written.provenance.fingerprint) == 16
 
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "val/acc", "test/acc", "metrics/best", "perf/step_time_s"} <= tags
+    assert {"train/loss", "val/acc", "best_val_acc", "test/acc", "metrics/best",
+            "perf/step_time_s", "lr/muon", "lr/adamw"} <= tags
     hparams = set(events.PluginTagToContent("hparams"))
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hparams
+    # one step numbering: validations after each epoch at steps 3, 6, 9, as the console says
+    val_steps = [e.step for e in events.Scalars("val/acc")]
+    assert val_steps == [3, 6, 9] and [e.step for e in events.Scalars("test/acc")] == [9]
+    console = capsys.readouterr().out
+    assert [int(line.split()[3]) for line in console.splitlines()
+            if line.startswith("epoch ") and "val/acc" in line] == val_steps
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert all(math.isfinite(e.value) for t in tags for e in events.Scalars(t))
 
-    # the folder is not reused by accident; resume=auto on a finished run does nothing
-    with pytest.raises(RunFolderError, match="finished run"):
-        train(cfg)
-    again = train(compose(tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}", "seed=3",
-                               "resume=auto")))
-    assert again == saved
+
+def test_cifar_without_a_validation_split_selects_nothing_on_the_test_set(tmp_path):
+    """With the default task.data.val_size=0 the test set is used once, for the final weights:
+    no validation, no best checkpoint, no "best" metric."""
+    run = tmp_path / "run"
+    metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")))
+    assert metrics["monitor"] is None and metrics["best"] is None and metrics["final"] is None
+    assert metrics["best_val_acc"] is None and not any(k.startswith("val/") for k in metrics)
+    assert not (run / "checkpoints" / "best.ckpt").exists()
+    tags = EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
+    assert "test/acc" in tags and not [t for t in tags if t.startswith(("val/", "metrics/"))]
+    assert metrics["test/acc"] == pytest.approx(
+        evaluate(find_resume_checkpoint(run), metrics_root(tmp_path), 4, [1]), abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- resume
@@ -242,6 +277,99 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
         assert torch.equal(state[key], reference_state[key]), key
 
 
+def folder_state(run: Path) -> dict[str, bytes]:
+    """Every file of a run folder and its bytes (to check that a refusal touched nothing)."""
+    return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*"))
+            if f.is_file()}
+
+
+def test_resume_continues_only_the_same_run_and_touches_nothing_else(tmp_path, capsys):
+    from muoneq.cli import main
+
+    args = tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={tmp_path / 'run'}",
+                "trainer.checkpoint_every_n_steps=3")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(7)])
+    before = folder_state(tmp_path / "run")
+    assert "checkpoints/last-step000000006.ckpt" in before
+    capsys.readouterr()
+
+    # a changed hyper-parameter, or another optimizer: one line, one detail per key, exit 2
+    assert main(["train", *args, "resume=auto", "optimizer.lr=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"muoneq: {tmp_path / 'run'} was run with other settings (1 key "
+                          "below differs), so resume=auto cannot continue it; restore")
+    assert err.splitlines()[1:] == ["  optimizer.lr: 0.05 → 0.5"] and "Traceback" not in err
+    assert main(["train", *args, "resume=auto", "optimizer=adamw"]) == 2
+    err = capsys.readouterr().err
+    assert "  optimizer.name: muoneq_nes → adamw" in err.splitlines()
+    assert "  optimizer.lr: 0.05 → 0.001" in err.splitlines() and "Traceback" not in err
+    assert folder_state(tmp_path / "run") == before  # config.yaml never describes another run
+
+    # keys that cannot change the result may differ; the session is recorded, the config kept
+    losses = Losses()
+    train(compose([*args, "resume=auto", "trainer.log_every_n_steps=5"]), callbacks=[losses])
+    assert min(losses.by_step) == 7
+    written = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert written.trainer.log_every_n_steps == 50  # what the run was started with
+    (session,) = written.provenance.resumed
+    assert session.from_checkpoint == "last-step000000006.ckpt"
+    assert list(session.changed) == ["resume: never → auto", "trainer.log_every_n_steps: 50 → 5"]
+
+    # a finished run: same settings read back; another lr or a longer run is refused
+    finished = folder_state(tmp_path / "run")
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert "already finished with these settings" in capsys.readouterr().out
+    assert main(["train", *args, "resume=auto", "optimizer.lr=0.5"]) == 2
+    assert "cannot reuse its results" in capsys.readouterr().err
+    assert main(["train", *args, "resume=auto", "trainer.max_epochs=4"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished run of another length" in err and "is not extended" in err
+    assert err.splitlines()[1:] == ["  trainer.max_epochs: 3 → 4"]
+    assert folder_state(tmp_path / "run") == finished
+
+
+def test_resume_checks_the_number_of_processes():
+    from muoneq.runtime import record
+
+    cfg = compose(["experiment=cifar10_resnet18"])
+    saved = {**record.resolved(cfg), "provenance": {"world_size": 2}}
+    assert record.changed_settings(saved, cfg) == []
+    assert record.changed_settings(saved, cfg, world_size=2) == []
+    assert record.changed_settings(saved, cfg, world_size=1) == ["world_size: 2 → 1"]
+
+
+def test_a_new_run_replaces_an_attempt_that_saved_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="stopped by the test"):  # before any checkpoint
+        train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}",
+                           "trainer.log_every_n_steps=1")), callbacks=[StopAt(2)])
+    assert not find_resume_checkpoint(run) and (run / "tensorboard").is_dir()
+    (run / "trial.log").write_text("the sweep's own files stay\n")
+    metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}",
+                                 "optimizer.lr=0.01", "trainer.log_every_n_steps=1")))
+    assert "holds an earlier attempt that saved no checkpoint" in capsys.readouterr().out
+    assert (run / "trial.log").exists() and metrics["global_step"] == 4
+    assert OmegaConf.load(run / "config.yaml").optimizer.lr == 0.01
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("lr/muon")]
+    assert logged == [(s, pytest.approx(0.01)) for s in (1, 2, 3, 4)]  # only this run's
+
+
+def test_a_schedule_that_makes_no_sense_warns(tmp_path, capsys):
+    train(compose(tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={tmp_path / 'a'}",
+                       "schedule.interval=step", "schedule.warmup_steps=20",
+                       "schedule.total_steps=30")))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("muoneq: warning: ")]
+    assert len(lines) == 2
+    assert "schedule.warmup_steps=20 is not shorter than this run's 8 optimizer steps" in (
+        lines[0]) and "last step uses 0.4 × optimizer.lr; lower schedule.warmup_steps" in lines[0]
+    assert "schedule.total_steps=30 differs from this run's 8 optimizer steps" in lines[1]
+    with pytest.raises(ConfigError, match=r"schedule.min_lr_ratio: must be in \[0, 1\]"):
+        compose(tiny(tmp_path, "schedule.min_lr_ratio=1.5"))
+
+
 # ----------------------------------------------------------------------------- DDP
 @pytest.mark.distributed
 def test_two_process_ddp_on_cpu(tmp_path):
@@ -259,3 +387,15 @@ def test_two_process_ddp_on_cpu(tmp_path):
     last = find_resume_checkpoint(run)
     data_root = next(a.split("=", 1)[1] for a in args if a.startswith("task.data.root="))
     assert metrics["test/acc"] == pytest.approx(evaluate(last, data_root, 4, [1]), abs=1e-6)
+
+
+def test_missing_data_is_one_line_with_where_to_put_it(tmp_path, capsys):
+    from muoneq.cli import main
+
+    args = ["train", "experiment=cifar10_resnet18", f"task.data.root={tmp_path / 'none'}",
+            "task.data.download=false", "trainer=cpu", f"run.dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    assert line.startswith(f"muoneq: CIFAR-10 not found at task.data.root={tmp_path / 'none'}; ")
+    assert "task.data.download=true" in line and ".npz" in line and "Traceback" not in err

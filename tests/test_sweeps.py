@@ -136,48 +136,48 @@ SWEEP_FILES = {
 
 
 @pytest.mark.parametrize("name", sorted(SWEEP_FILES))
-def test_paper_sweep_files_compose_with_the_runtime(name):
-    """Each sweep file has its paper size, and every kind of trial it launches is a valid
-    ``muoneq train`` config (experiment, optimizer and override keys all exist)."""
-    compose = pytest.importorskip("muoneq.runtime.config").compose
+def test_paper_sweep_files_have_their_paper_size(name):
+    """Each sweep file has its paper size and objective; that every point composes as a
+    ``muoneq train`` config is checked through ``make <target> ARGS=--dry-run``
+    (tests/test_documented_commands.py)."""
     spec = load_sweep(REPO / "sweeps" / f"{name}.yaml")
     runs, metric = SWEEP_FILES[name]
     assert spec.study == name
     assert len(spec.points()) * len(spec.seeds) == runs
     assert spec.objective.metric == metric
     assert spec.report.tables or spec.report.heatmaps or spec.report.lines
-    kinds = {}
-    for p in spec.points():
-        d = p.as_dict()
-        kinds.setdefault((spec.experiment_of(p), d["optimizer"], tuple(d)), p)
-    for p in kinds.values():
-        assert p.as_dict()["optimizer"] in muoneq.OPTIMIZERS
-        cfg = compose([f"experiment={spec.experiment_of(p)}", *spec.overrides, *p.overrides(),
-                       "seed=0", "run.dir=/nonexistent", "resume=auto"])
-        for key, value in p.as_dict().items():
-            if key.startswith("optimizer."):
-                assert cfg.optimizer[key.split(".", 1)[1]] == value
+    assert all(p.as_dict()["optimizer"] in muoneq.OPTIMIZERS for p in spec.points())
 
 
 # ------------------------------------------------------------------------------- grid study
 @pytest.mark.slow
 def test_grid_study_completes_retries_and_resumes_without_repeats(tmp_path):
     grid = [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]},
-            {"optimizer": ["adamw"], "optimizer.lr": [0.01], "fail_first": [True]}]
+            {"optimizer": ["adamw"], "optimizer.lr": [0.01], "fail_first": [True]},
+            {"optimizer": ["sgd"], "optimizer.lr": [0.01], "config_error": [True]}]
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0]))
     summary = Driver(spec, options(tmp_path, workers=2)).run()
-    assert (summary.total, summary.done, summary.exhausted, summary.exit_code) == (2, 2, [], 0)
+    bad = "optimizer=sgd optimizer.lr=0.01 config_error=true | seed=0"
+    assert (summary.total, summary.done, summary.exhausted, summary.exit_code) == (
+        3, 2, [bad], 1)
     study_dir = tmp_path / "runs" / "tiny"
     study = load(tmp_path)
     assert_each_run_once(study, study_dir, expected=2)
-    failed = [t for t in study.get_trials(states=(TrialState.FAIL,))]
-    assert [t.user_attrs["outcome"] for t in failed] == ["failed"]
-    assert all("exited with status 3" in t.user_attrs["message"] for t in failed)
-    assert all("optimizer=adamw" in t.user_attrs["run_key"] for t in failed)
-    # Re-running the finished study launches nothing and adds no trial.
+    failed = {t.user_attrs["outcome"]: t for t in study.get_trials(states=(TrialState.FAIL,))}
+    assert sorted(failed) == ["config_error", "failed"]
+    assert "exited with status 3" in failed["failed"].user_attrs["message"]
+    assert "optimizer=adamw" in failed["failed"].user_attrs["run_key"]
+    # exit status 2 (a config error) is failed at once: retrying cannot fix it
+    assert "exited with status 2" in failed["config_error"].user_attrs["message"]
+    (bad_dir,) = study_dir.glob("trials/optimizer=sgd*/seed0")
+    assert (bad_dir / "starts.log").read_text().count("\n") == 1  # max_retries=1 unused
+    # Re-running the study launches nothing finished and adds no trial for it; the run that
+    # failed with a config error gets one attempt per re-run (the user may have fixed it).
     n_trials = len(study.get_trials())
     again = Driver(spec, options(tmp_path, workers=2)).run()
-    assert again.done == 2 and len(load(tmp_path).get_trials()) == n_trials
+    assert again.done == 2 and again.exhausted == [bad]
+    assert len(load(tmp_path).get_trials()) == n_trials + 1
+    assert (bad_dir / "starts.log").read_text().count("\n") == 2
     assert_each_run_once(load(tmp_path), study_dir, expected=2)
 
 
@@ -350,13 +350,51 @@ def test_dry_run_lists_runs_and_the_first_command(capsys):
     assert " -m muoneq train experiment=cifar10_resnet18 trainer.max_epochs=1 optimizer=sgd " \
            "optimizer.lr=0.1 seed=0 run.dir=runs/ablation-cifar10/trials/" in first
     assert first.endswith("/seed0 resume=auto")
+    assert "checked: 33 training configs compose and type-check as `muoneq train`" in out
+
+
+def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path, capsys):
+    """A misspelled override or a bad grid value fails --dry-run and the real sweep alike,
+    naming the point, before the study exists (so it is not locked to the mistake)."""
+    from muoneq.cli import main
+
+    sweep = REPO / "sweeps" / "ablation-cifar10.yaml"
+    runs = tmp_path / "runs"
+    for extra in (["--dry-run"], []):
+        assert main(["sweep", str(sweep), "--runs-dir", str(runs), "--override",
+                     "optimizer.lrr=0.1", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("muoneq: point 'optimizer=sgd optimizer.lr=0.1' (seed 0) is not "
+                              "a valid training config: ") and err.count("\n") == 1
+        assert "optimizer.lrr" in err and "Did you mean: 'lr'" in err
+        assert not runs.exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(sweep.read_text().replace("optimizer.mode: [RC, C, R]",
+                                             "optimizer.mode: [RC, X, R]"))
+    assert main(["sweep", str(bad), "--runs-dir", str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert "point 'optimizer=muoneq_nes optimizer.lr=0.1 optimizer.mode=X'" in err
+    assert "optimizer.mode" in err and not runs.exists()
+    search = tmp_path / "search.yaml"  # an open search is checked at its bounds
+    search.write_text(yaml.safe_dump({
+        "study": "s", "experiment": "cifar10_resnet18", "seeds": [0],
+        "overrides": ["optimizer=sgd"], "objective": {"metric": "test/acc"},
+        "search": {"params": {"optimizer.lr": {"low": -0.1, "high": 0.1}}}}))
+    assert main(["sweep", str(search), "--dry-run"]) == 2
+    assert "point 'optimizer.lr=-0.1'" in capsys.readouterr().err
 
 
 def test_a_study_refuses_changed_fixed_settings(tmp_path):
     Driver(load_sweep(write_sweep(tmp_path / "s.yaml")), options(tmp_path))
     changed = load_sweep(write_sweep(tmp_path / "s.yaml", overrides=["steps=30"]))
-    with pytest.raises(SweepError, match=r"other overrides: .*steps=20.*steps=30.*new study"):
+    with pytest.raises(SweepError) as err:
         Driver(changed, options(tmp_path))
+    message = str(err.value)
+    # what changed, and every way out: restore, a new name, or delete the study
+    assert err.value.details == ["overrides: ['steps=20'] → ['steps=30']"]
+    for way_out in ("restore them", "--set study=NAME",
+                    f"rm -r {tmp_path / 'runs' / 'tiny'}"):
+        assert way_out in message, message
     grown = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0, 1, 2]))  # may grow
     assert len(Driver(grown, options(tmp_path)).expected) == 6
 
@@ -368,18 +406,21 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
                 "experiment={experiment} {overrides} seed={seed} run.dir={run_dir} resume=auto")
     launch = {"command": torchrun, "nproc": 2, "devices_per_trial": 2,
               "env": {"NCCL_DEBUG": "WARN"}}
-    spec = load_sweep(write_sweep(tmp_path / "s.yaml", launch=launch))
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", launch=launch, experiment="cifar10_resnet18",
+                                  overrides=["trainer.max_epochs=1"]))
     driver = Driver(spec, options(tmp_path, workers=2, devices=["0", "1", "2", "3"]))
+    assert driver.validated == 2  # both points compose as `muoneq train` configs
     assert driver._slots == [["0", "1"], ["2", "3"]]
     point = spec.points()[1]
     argv, env, fingerprint = trial_command(spec, point, 1, Path("runs/x"), devices=["2", "3"],
                                            worker=1)
     assert argv == ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "muoneq", "train",
-                    "experiment=teacher", "steps=20", "optimizer=muoneq_nes",
+                    "experiment=cifar10_resnet18", "trainer.max_epochs=1", "optimizer=muoneq_nes",
                     "optimizer.lr=0.02", "seed=1", "run.dir=runs/x", "resume=auto"]
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NCCL_DEBUG"] == "WARN"
-    assert fingerprint == {"experiment": "teacher", "seed": 1,
-                           "overrides": ["steps=20", "optimizer=muoneq_nes", "optimizer.lr=0.02"]}
+    assert fingerprint == {"experiment": "cifar10_resnet18", "seed": 1,
+                           "overrides": ["trainer.max_epochs=1", "optimizer=muoneq_nes",
+                                         "optimizer.lr=0.02"]}
     with pytest.raises(SweepError, match="needs 6 devices, found 4"):
         Driver(spec, options(tmp_path, workers=3, devices=["0", "1", "2", "3"]))
 

@@ -1,27 +1,33 @@
 """A 2-trial grid through the real ``muoneq train`` (ResNet-18 on tiny CIFAR-format data),
-then its report: the sweep driver and the runtime agree on the trial contract."""
+then its report: the sweep driver and the runtime agree on the trial contract, and a changed
+experiment file never reuses the runs made with the old one."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import yaml
 from runtime_helpers import tiny_cifar10
 
 from muoneq.report import load_study_data, write_report
-from muoneq.sweeps import Driver, DriverOptions, load_sweep
+from muoneq.runtime import conf_dir
+from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
 
 pytest.importorskip("muoneq.runtime.run")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_grid_of_real_training_runs(tmp_path):
+def test_grid_of_real_training_runs(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"  # a copy of conf/, to edit an experiment file later
+    shutil.copytree(conf_dir(), conf)
+    monkeypatch.setenv("MUONEQ_CONF_DIR", str(conf))  # for the driver and its trials
     sweep = {
         "study": "cifar-mini",
         "experiment": "cifar10_resnet18",
-        "overrides": [*tiny_cifar10(tmp_path), "trainer.max_epochs=1"],
+        "overrides": [*tiny_cifar10(tmp_path), "trainer.max_epochs=1", "task.data.val_size=8"],
         "seeds": [0],
         "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.05]}],
         "objective": {"metric": "test/acc", "direction": "maximize"},
@@ -46,3 +52,15 @@ def test_grid_of_real_training_runs(tmp_path):
     table = (report.out_dir / "table_ablation.md").read_text()
     assert "| Muon-Nes | 0.05 |" in table and "| MuonEq-Nes | 0.05 |" in table
     assert (report.out_dir / "curve_val_acc.png").exists()
+
+    # Re-running the sweep reuses its finished runs (same settings: nothing is launched) …
+    folders = {p: p.stat().st_mtime_ns for p in (runs / "cifar-mini").rglob("*.json")}
+    assert Driver(load_sweep(path), DriverOptions(runs_dir=runs, tick_s=0.2)).run().done == 2
+    assert {p: p.stat().st_mtime_ns for p in folders} == folders
+    # … but after an edit of the experiment file, it refuses them, naming the change
+    recipe = conf / "experiment" / "cifar10_resnet18.yaml"
+    recipe.write_text(recipe.read_text().replace("min_lr_ratio: 0.0", "min_lr_ratio: 0.1"))
+    with pytest.raises(SweepError) as err:
+        Driver(load_sweep(path), DriverOptions(runs_dir=runs))
+    assert "made with other settings" in str(err.value) and "--set study=NAME" in str(err.value)
+    assert err.value.details == ["schedule.min_lr_ratio: 0.0 → 0.1"]

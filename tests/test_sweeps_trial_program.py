@@ -1,12 +1,14 @@
 """A small, real trial program for the sweep tests, honouring the trial contract.
 
 Run as ``python tests/test_sweeps_trial_program.py optimizer=muon_nes optimizer.lr=0.02
-seed=0 run.dir=DIR [steps=40] [sleep_s=0] [fail_first=false]``: it fits a two-hidden-layer MLP
-student to a fixed random teacher with ``muoneq.build_optimizer`` for a few dozen steps (real
-processes, real optimization), logs ``val_loss`` by global step to TensorBoard under the run
-folder and writes ``metrics.json`` as its very last act. Each start appends a line to
-``starts.log`` so tests can count how often a run folder was executed. With
-``fail_first=true`` the first attempt in a folder exits with status 3 half way.
+seed=0 run.dir=DIR [steps=40] [sleep_s=0] [fail_first=false] [config_error=false]``: it fits a
+two-hidden-layer MLP student to a fixed random teacher with ``muoneq.build_optimizer`` for a few
+dozen steps (real processes, real optimization), logs ``val_loss`` by global step to
+TensorBoard under the run folder and writes ``metrics.json`` as its very last act. Each start
+appends a line to ``starts.log`` so tests can count how often a run folder was executed. With
+``fail_first=true`` the first attempt in a folder exits with status 3 half way; with
+``config_error=true`` every attempt exits at once with status 2, as ``muoneq`` does for a
+config error.
 
 As a test module it checks that the program does optimize.
 """
@@ -49,6 +51,9 @@ def main(argv: list[str]) -> int:
     steps = int(args.pop("steps", "40"))
     sleep_s = float(args.pop("sleep_s", "0"))
     fail_first = args.pop("fail_first", "false") == "true"
+    if args.pop("config_error", "false") == "true":
+        print("muoneq: config_error=true; this run is told to fail as a config error")
+        return 2
     hparams = {k.split(".", 1)[1]: v for k, v in args.items() if k.startswith("optimizer.")}
     unknown = sorted(k for k in args if not k.startswith("optimizer."))
     if unknown:

@@ -2,12 +2,12 @@
 
 * :mod:`~muoneq.diagnostics.metrics` – stable rank, condition numbers ``κ``/``κ_i`` (with a rank
   tolerance), singular-value entropy, the exact polar factor (float64 SVD).
-* :mod:`~muoneq.diagnostics.ns_error` – eq. ``error_decomp`` (finite-step error and
-  preconditioning bias for none/R/C/RC), error curves over NS steps, Theorem ``th_ns``'s bound.
-* :mod:`~muoneq.diagnostics.study` – the synthetic study of Figure ``fig1`` (``muoneq spectra``).
+* :mod:`~muoneq.diagnostics.ns_error` – eq. (5) (``error_decomp``: finite-step error and
+  preconditioning bias for none/R/C/RC), error curves over NS steps, Theorem 3.1's bound.
+* :mod:`~muoneq.diagnostics.study` – the synthetic study of the paper's Figure 1
+  (``muoneq spectra``).
 * :mod:`~muoneq.diagnostics.callback` – :class:`SpectralMonitor`, a Lightning callback that
-  measures the pre-NS momentum during training (Figures ``fig3``, ``fig:spectral_metrics``,
-  ``fig:e_b_metrics``).
+  measures the pre-NS momentum during training (the paper's Figures 2, 6 and 7).
 """
 
 from muoneq.diagnostics.metrics import (

@@ -1,5 +1,5 @@
-"""``SpectralMonitor``: measure the pre-NS momentum during training (Figures fig3,
-fig:spectral_metrics, fig:e_b_metrics), without touching the trajectory.
+"""``SpectralMonitor``: measure the pre-NS momentum during training (the paper's Figures 2, 6 and 7:
+``fig3``, ``fig:spectral_metrics``, ``fig:e_b_metrics``), without touching the trajectory.
 
 At a few chosen optimizer steps (default 1%, 10%, 50% and 100% of training) the callback rebuilds,
 for every selected weight, the matrix the optimizer has just fed to DiagPre and Newton–Schulz,
@@ -10,7 +10,7 @@ from the gradient ``G`` (``p.grad``) and the updated momentum buffer ``M'`` (the
 ``momentum_buffer``) of the step that just finished, and runs
 :func:`muoneq.diagnostics.error_decomposition` on float64 copies for every normalization:
 stable rank, entropy, condition number of ``S(M̃)``, the relative NS error curve over steps
-0..K and eq. ``error_decomp``'s finite-step error and bias.
+0..K and eq. (5)'s (``error_decomp``) finite-step error and bias.
 
 Why after the step (``on_train_batch_end``) rather than in ``on_before_optimizer_step``: Lightning
 clips gradients *after* that hook, so ``G`` seen there is not the one the optimizer uses. After the
@@ -81,12 +81,13 @@ class SpectralMonitor(pl.Callback):
         modes: normalizations to compare (default none, R, C, RC).
         ns_steps, ns_coefficients: Newton–Schulz steps K and coefficients; default: the
             param group's own (``ns_steps``/``ns_coefficients``), else 5 and ``"quintic"``.
-        ns_dtype: dtype of the measured NS iteration (default float64, as Theorem th_ns; use
+        ns_dtype: dtype of the measured NS iteration (default float64, as Theorem 3.1; use
             the optimizer's, e.g. ``"bfloat16"``, to include its rounding).
         eps: DiagPre's ``ε`` (default 1e-8, the paper's).
         rtol: rank tolerance of the SVD metrics (see :mod:`muoneq.diagnostics.metrics`).
         csv_name: CSV file written in ``trainer.log_dir``.
-        log_figures: also log a Figure-fig3-style plot per measured step to TensorBoard.
+        log_figures: also log a plot in the style of the paper's Figure 2 per measured step to
+            TensorBoard.
     """
 
     def __init__(
@@ -274,8 +275,8 @@ class SpectralMonitor(pl.Callback):
             from muoneq.diagnostics.figures import training_curves
 
             fig = training_curves(
-                dict(curves), f"NS error of the pre-NS momentum, step {step} "
-                f"({100 * step / self.total_steps:.0f}% of training, {len(self._selected)} modules)"
+                dict(curves), f"step {step} ({100 * step / self.total_steps:.0f}% of training), "
+                f"{len(self._selected)} modules; band: 25–75% of modules"
             )
             for writer in writers:
                 writer.add_figure("spectra/ns_error_curves", fig, step)

@@ -1,4 +1,5 @@
-"""``muoneq spectra``: run the synthetic Newton–Schulz geometry study (Figure fig1).
+"""``muoneq spectra``: run the synthetic Newton–Schulz geometry study (the paper's
+Figure 1, ``fig1``).
 
     muoneq spectra --quick                 # small sizes, 2 seeds: about a minute on 2 CPU cores
     muoneq spectra                         # the paper's sizes 1024/4096 (GPU or many cores)
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 import torch
 
@@ -25,6 +25,7 @@ from muoneq.diagnostics.study import (
     summary_table,
     write_outputs,
 )
+from muoneq.errors import UserError
 from muoneq.newton_schulz import DTYPES, NAMED_COEFFICIENTS
 
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="muoneq spectra",
         description="Finite-step Newton–Schulz error, condition numbers and the error "
-        "decomposition of none/R/C/RC on synthetic matrices (paper Figure fig1).",
+        "decomposition of none/R/C/RC on synthetic matrices (the paper's Figure 1).",
     )
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes {'/'.join(f'{m}x{n}' for m, n in QUICK_SIZES)} "
@@ -104,9 +105,8 @@ def main(argv: list[str]) -> int:
         print(f"muoneq spectra: {len(list(config.cases()))} matrices × {len(config.modes)} "
               f"normalizations on {config.device}, results in {out}")
         result = run_study(config, out, fresh=args.fresh)
-    except ValueError as err:
-        print(f"muoneq spectra: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a bad study setting (the message names the option)
+        raise UserError(f"muoneq spectra: {err}") from err
     paths = write_outputs(result, config, out)
     print("\n" + summary_table(result, config) + "\n")
     print("figures:\n" + "\n".join(f"  {p}" for p in paths))

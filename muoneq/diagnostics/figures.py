@@ -1,4 +1,5 @@
-"""Matplotlib figures of the spectral diagnostics (Figures fig1, fig3, fig:e_b_metrics style).
+"""Matplotlib figures of the spectral diagnostics, in the style of the paper's Figures 1, 2 and
+7 (LaTeX labels ``fig1``, ``fig3``, ``fig:e_b_metrics``).
 
 All functions return a ``matplotlib.figure.Figure`` built without pyplot's global state (Agg
 canvas), so they are safe in training processes and headless machines; the caller saves it or
@@ -47,9 +48,21 @@ def _bars(ax, groups, modes, values, *, log: bool, ylabel: str) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+def _legend_below(fig, handles) -> None:
+    """One legend for the whole figure, below the panels (it never covers data)."""
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4),
+               fontsize=8, frameon=False)
+
+
+def _mode_handles(modes) -> list[Line2D]:
+    return [Line2D([], [], color=MODE_STYLE[m]["color"], label=MODE_STYLE[m]["label"])
+            for m in modes]
+
+
 def study_fig1(curves: dict, summary: dict, family: str, spreads, sizes, modes, report_step):
-    """Figure fig1 for one family: top, relative error to ``Orth(S(M))`` over NS steps (colour =
-    normalization, line style = spread); bottom, condition number of ``S(M)`` (none = raw).
+    """The paper's Figure 1 (``fig1``) for one family: top, relative error to ``Orth(S(M))``
+    over NS steps (colour = normalization, line style = spread); bottom, condition number of
+    ``S(M)`` (none = raw).
 
     ``curves[(spread, m, n, mode)]`` is the seed-mean curve; ``summary[(spread, m, n, mode)]``
     the seed-mean summary stats.
@@ -73,17 +86,21 @@ def study_fig1(curves: dict, summary: dict, family: str, spreads, sizes, modes, 
                  for sp in spreads for mo in modes if (sp, m, n, mo) in summary}
         _bars(bottom, list(spreads), modes, kappa, log=True, ylabel="κ(S(M))")
         bottom.set_xlabel("spread")
-    _legend(axes[0, 0], modes, spreads)
-    fig.suptitle(f"Finite-step NS error and condition number — {FAMILY_TITLE[family]}")
+    _legend_below(fig, _mode_handles(modes) + [
+        Line2D([], [], color="k", ls=SPREAD_LINES[i % len(SPREAD_LINES)], label=f"spread {s:g}")
+        for i, s in enumerate(spreads)])
+    fig.suptitle(f"Finite-step NS error and condition number (as the paper's Figure 1)\n"
+                 f"{FAMILY_TITLE[family]}", fontsize=11)
     return fig
 
 
 def study_decomposition(summary: dict, family: str, spreads, sizes, modes, report_step):
-    """Eq. error_decomp per size: finite-step error, preconditioning bias, stable rank, entropy."""
+    """Eq. (5) (``error_decomp``) per size: finite-step error, preconditioning bias, stable rank
+    and entropy (all on linear axes)."""
     rows = (
         ("ns_error", f"‖NS{report_step}(S(M)) − Orth(S(M))‖_F", False),
         ("bias", "‖Orth(S(M)) − Orth(M)‖_F", False),
-        ("stable_rank", "stable rank sr(S(M))", True),
+        ("stable_rank", "stable rank sr(S(M))", False),
         ("entropy", "entropy H(p) of S(M)", False),
     )
     fig, axes = new_figure(len(rows), len(sizes), height=2.8)
@@ -94,13 +111,15 @@ def study_decomposition(summary: dict, family: str, spreads, sizes, modes, repor
             _bars(axes[row, col], list(spreads), modes, values, log=log, ylabel=label)
         axes[0, col].set_title(f"{m}×{n}")
         axes[-1, col].set_xlabel("spread")
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"Error decomposition and spectral metrics — {FAMILY_TITLE[family]}")
+    _legend_below(fig, _mode_handles(modes))
+    fig.suptitle(f"Error decomposition of eq. (5) and spectral metrics\n"
+                 f"{FAMILY_TITLE[family]}", fontsize=11)
     return fig
 
 
 def study_bound(panels: list[tuple[str, dict, dict]], modes, cols: int = 2):
-    """Measured relative error (solid) beside Theorem th_ns's lower bound (dashed), per panel.
+    """Measured relative error (solid) beside the lower bound of the paper's Theorem 3.1
+    (``th_ns``, dashed), per panel.
 
     ``panels`` holds ``(title, curves[mode], bounds[mode])``; they fill a grid ``cols`` wide.
     """
@@ -119,22 +138,12 @@ def study_bound(panels: list[tuple[str, dict, dict]], modes, cols: int = 2):
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    handles = [Line2D([], [], color=MODE_STYLE[m]["color"], label=MODE_STYLE[m]["label"])
-               for m in modes]
-    handles += [Line2D([], [], color="k", label="measured"),
-                Line2D([], [], color="k", ls="--", lw=1.0, label="Theorem th_ns bound")]
-    axes[0, 0].legend(handles=handles, fontsize=7)
-    fig.suptitle("Measured finite-step error (solid) above the lower bound of Theorem th_ns "
-                 "(dashed)")
+    _legend_below(fig, _mode_handles(modes) + [
+        Line2D([], [], color="k", label="measured"),
+        Line2D([], [], color="k", ls="--", lw=1.0, label="lower bound of Theorem 3.1")])
+    fig.suptitle("Measured finite-step error (solid) above the lower bound of the paper's "
+                 "Theorem 3.1 (dashed)", fontsize=11)
     return fig
-
-
-def _legend(ax, modes, spreads) -> None:
-    handles = [Line2D([], [], color=MODE_STYLE[m]["color"], label=MODE_STYLE[m]["label"])
-               for m in modes]
-    handles += [Line2D([], [], color="k", ls=SPREAD_LINES[i % len(SPREAD_LINES)],
-                       label=f"spread {s:g}") for i, s in enumerate(spreads)]
-    ax.legend(handles=handles, fontsize=7, loc="lower left")
 
 
 def _quartiles(xs) -> tuple[float, float]:
@@ -145,10 +154,11 @@ def _quartiles(xs) -> tuple[float, float]:
     return q1, q3
 
 
-def training_curves(curves: dict[str, list[list[float]]], title: str):
-    """Figure fig3 at one training step: module-wise median with the 25–75% band (top) and the
-    mean (bottom) of the relative NS error over steps, one colour per normalization."""
-    fig, axes = new_figure(2, 1, width=5.0, height=3.0)
+def training_curves(curves: dict[str, list[list[float]]], subtitle: str):
+    """The paper's Figure 2 (``fig3``) at one training step: module-wise median with the 25–75%
+    band (top) and the mean (bottom) of the relative NS error over steps, one colour per
+    normalization. ``subtitle`` (the step, the modules) is the title's second line."""
+    fig, axes = new_figure(2, 1, width=5.6, height=2.9)
     for mode, per_module in curves.items():
         style = MODE_STYLE[mode]
         steps = range(len(per_module[0]))
@@ -164,6 +174,7 @@ def training_curves(curves: dict[str, list[list[float]]], title: str):
     for ax in axes[:, 0]:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(title)
+    _legend_below(fig, _mode_handles(list(curves)))
+    fig.suptitle(f"NS error of the pre-NS momentum (as the paper's Figure 2)\n{subtitle}",
+                 fontsize=10)
     return fig

@@ -1,12 +1,14 @@
-"""Finite-step Newton–Schulz error, its lower bound (Theorem ``th_ns``) and eq. ``error_decomp``.
+"""Finite-step Newton–Schulz error, its lower bound (the paper's Theorem 3.1, ``th_ns``) and
+eq. (5) (``error_decomp``).
 
-For a matrix ``M`` and a normalization ``S ∈ {none, R, C, RC}`` (DiagPre, eq. ``diagpre_family``)
-the paper splits the distance of the update direction from the unpreconditioned polar factor as
+For a matrix ``M`` and a normalization ``S ∈ {none, R, C, RC}`` (DiagPre, eq. (4),
+``diagpre_family``) the paper splits the distance of the update direction from the
+unpreconditioned polar factor as
 
     ‖NS_K(S(M)) − Orth(M)‖_F ≤ ‖NS_K(S(M)) − Orth(S(M))‖_F + ‖Orth(S(M)) − Orth(M)‖_F
                                  (finite-step error)          (preconditioning bias)
 
-and Theorem ``th_ns`` bounds the finite-step error from below through the spectrum of the
+and Theorem 3.1 (``th_ns``) bounds the finite-step error from below through the spectrum of the
 matrix fed to Newton–Schulz: with ``X_0 = G/α`` (α = ‖G‖_F, times the schedule's safety factor)
 and step coefficients ``(a_j, b_j, c_j)``,
 
@@ -37,7 +39,7 @@ from muoneq.newton_schulz import (
 
 
 def theorem_applies(a: float, b: float, c: float) -> bool:
-    """Whether one step's coefficients meet Theorem ``th_ns``: ``a > 1``, ``0 < q ≤ a`` on [0, 1].
+    """Whether one step's coefficients meet Theorem 3.1: ``a > 1``, ``0 < q ≤ a`` on [0, 1].
 
     ``q(t) ≤ a`` on [0, 1] ⟺ ``b ≤ 0`` and ``b + c ≤ 0``; ``q > 0`` is checked at ``t = 1`` and,
     when ``c > 0``, at the vertex ``t* = −b/(2c)`` if it lies inside (0, 1).
@@ -54,7 +56,7 @@ def _schedule(steps: int, coefficients) -> NSSchedule:
 
 
 def ns_lower_bound(spec: Spectrum, steps: int = 5, coefficients="quintic") -> Tensor:
-    """Theorem ``th_ns`` lower bound on the *relative* error ``‖X_k − Orth(G)‖_F/√r``, k = 0..K.
+    """Theorem 3.1's lower bound on the *relative* error ``‖X_k − Orth(G)‖_F/√r``, k = 0..K.
 
     ``spec`` is the :class:`~muoneq.diagnostics.metrics.Spectrum` of the matrix fed to
     Newton–Schulz (batched spectra give a ``(..., K+1)`` result). Raises ``ValueError`` when a
@@ -64,7 +66,7 @@ def ns_lower_bound(spec: Spectrum, steps: int = 5, coefficients="quintic") -> Te
     bad = [i for i, abc in enumerate(schedule.coefficients) if not theorem_applies(*abc)]
     if bad:
         raise ValueError(
-            f"coefficients: step(s) {bad} of {schedule.coefficients} violate Theorem th_ns "
+            f"coefficients: step(s) {bad} of {schedule.coefficients} violate Theorem 3.1 "
             "(needs a > 1 and 0 < a + b·t + c·t² ≤ a on [0, 1]); no lower bound is proven"
         )
     alpha = schedule.norm_scale * spec.frobenius_sq.sqrt()
@@ -86,8 +88,8 @@ class ModeDiagnostics:
 
     Curves run over the Newton–Schulz steps k = 0..K: ``finite_step_curve[k] =
     ‖X_k − Orth(S(M))‖_F`` and ``total_curve[k] = ‖X_k − Orth(M)‖_F``; ``bias =
-    ‖Orth(S(M)) − Orth(M)‖_F`` (eq. ``error_decomp``: ``total ≤ finite_step + bias`` at every k).
-    ``bound_curve`` is Theorem ``th_ns``'s lower bound on the relative finite-step error (NaN
+    ‖Orth(S(M)) − Orth(M)‖_F`` (eq. (5): ``total ≤ finite_step + bias`` at every k).
+    ``bound_curve`` is Theorem 3.1's lower bound on the relative finite-step error (NaN
     where the coefficients fall outside the theorem). Spectral metrics are those of ``S(M)``.
     """
 
@@ -103,7 +105,8 @@ class ModeDiagnostics:
 
     @property
     def relative_curve(self) -> tuple[float, ...]:
-        """``‖X_k − Orth(S(M))‖_F / ‖Orth(S(M))‖_F`` (= ``/√r``), what Figures fig1/fig3 plot."""
+        """``‖X_k − Orth(S(M))‖_F / ‖Orth(S(M))‖_F`` (= ``/√r``), what the paper's Figures 1
+        and 2 plot."""
         root_r = math.sqrt(max(self.rank, 1))
         return tuple(e / root_r for e in self.finite_step_curve)
 
@@ -132,7 +135,7 @@ def error_decomposition(
     eps: float = 1e-8,
     rtol: float | None = None,
 ) -> dict[str, ModeDiagnostics]:
-    """Eq. ``error_decomp`` and Theorem ``th_ns`` for every normalization in ``modes``.
+    """Eq. (5) and Theorem 3.1 for every normalization in ``modes``.
 
     ``M`` (one m×n matrix) is moved to float64; ``S(M)`` is :func:`muoneq.diag_pre` with ``eps``;
     Newton–Schulz runs in ``ns_dtype`` with the optimizer's coefficients, one pass recording

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,17 +24,20 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     """Tables (Markdown + LaTeX), heatmaps + robustness, line plots and learning curves.
 
     With ``tensorboard``, figures and tables also go to ``<out_dir>/tensorboard`` as images
-    and text. Without a ``report:`` section, one table of the objective at each setting's
-    best learning rate (if there is an ``optimizer.lr`` axis) is written.
+    and text, replacing those of an earlier report. Without a ``report:`` section, one table of
+    the objective at each setting's best learning rate (if there is an ``optimizer.lr`` axis)
+    is written.
     """
     if not data.runs:
-        raise SweepError(f"study {data.spec.study!r} has no finished run yet")
+        raise SweepError(f"study {data.spec.study!r} has no finished run yet; wait for its "
+                         "first run to finish (muoneq sweep … --status counts them)")
     out_dir = Path(out_dir or data.study_dir / "report")
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = None
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)  # this report replaces it
         writer = SummaryWriter(str(out_dir / "tensorboard"))
     spec, axes = data.spec, data.axes
     rep = spec.report
@@ -64,12 +68,12 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
         panels = heatmaps(data.runs, hspec, axes, metric, direction, out_dir, writer)
         report.files += [p.path for p in panels]
         if panels:
-            md = robustness_markdown(panels, hspec, metric)
+            md = robustness_markdown(panels, hspec, metric, direction)
             (out_dir / "robustness.md").write_text(md)
             report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
             parts.append(f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}")
             parts += [f"\n![{p.title}]({p.path.name})" for p in panels]
-            parts.append("\n")
+            parts.append("\n\n![robustness](robustness.png)\n")
     for lspec in rep.lines:
         _, path = line_plot(data.runs, lspec, axes, data.objective, data.direction, out_dir,
                             writer)
@@ -82,7 +86,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
             if tag not in curves:
                 parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
                 continue
-            path = curves[tag][0]
+            path = curves[tag].path
             report.files.append(path)
             parts.append(f"\n![{path.stem}]({path.name})\n")
     if writer is not None:

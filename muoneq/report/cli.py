@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from muoneq.report.build import write_report
 from muoneq.report.records import load_study_data
-from muoneq.sweeps.spec import SweepError
 
 
 def main(argv: list[str]) -> int:
@@ -28,12 +26,8 @@ def main(argv: list[str]) -> int:
                    "<study>/report)")
     p.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard images")
     args = p.parse_args(argv)
-    try:
-        data = load_study_data(args.target, storage=args.storage, runs_dir=args.runs_dir)
-        report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
-    except SweepError as err:
-        print(f"muoneq report: {err}", file=sys.stderr)
-        return 2
+    data = load_study_data(args.target, storage=args.storage, runs_dir=args.runs_dir)
+    report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
     print(report.markdown)
     print(f"\nwritten to {report.out_dir}/ ({len(report.files)} files); "
           f"TensorBoard: tensorboard --logdir {data.study_dir}")

@@ -47,6 +47,18 @@ def _save(fig: Figure, path: Path, writer, tag: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------- heatmaps
+def _best(values, direction: str) -> float:
+    return min(values) if direction == "minimize" else max(values)
+
+
+def within(grid: np.ndarray, reference: float, pct: float, direction: str) -> float:
+    """Fraction of ``grid`` within ``pct`` % of ``reference`` (missing/diverged cells: outside)."""
+    tol = pct / 100 * abs(reference)
+    with np.errstate(invalid="ignore"):
+        ok = grid <= reference + tol if direction == "minimize" else grid >= reference - tol
+    return float((ok & np.isfinite(grid)).sum()) / grid.size
+
+
 @dataclass
 class HeatmapPanel:
     title: str
@@ -56,15 +68,18 @@ class HeatmapPanel:
     grid: np.ndarray  #: mean over seeds, shape (len(y), len(x)); NaN where missing/diverged
     path: Path
     figure: Figure
-    robustness: float | None = None  #: fraction of cells within x% of the reference best
+    best: float  #: this panel's best cell (NaN when none finished)
+    robustness: float  #: fraction of cells within x% of the best cell of all panels
+    robustness_own: float  #: fraction of cells within x% of this panel's own best cell
 
 
 def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: str,
              direction: str, out_dir: Path, writer=None) -> list[HeatmapPanel]:
     """One annotated heatmap of ``metric`` over ``x × y`` per value of the other axes, on one
-    shared color scale, plus the robustness number of each panel: the fraction of its grid
-    within ``robustness_pct`` % of the best cell of all panels (the paper's "broader
-    low-perplexity region" as a number; missing or diverged cells count as outside)."""
+    shared color scale, plus two robustness numbers per panel (the paper's "broader
+    low-perplexity region" as numbers): the fraction of its grid within ``robustness_pct`` % of
+    the best cell of all panels, and within that much of its own best cell (missing or diverged
+    cells count as outside)."""
     panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
     stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
              if c.values[spec.x] is not None and c.values[spec.y] is not None}  # e.g. AdamW
@@ -79,8 +94,7 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     if not finite:
         return []
     vmin, vmax = min(finite), max(finite)
-    best = min(finite) if direction == "minimize" else max(finite)
-    tol = spec.robustness_pct / 100 * abs(best)
+    best = _best(finite, direction)
     cmap = "viridis_r" if direction == "minimize" else "viridis"
     out = []
     for key, grid in panels.items():
@@ -104,13 +118,16 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
             ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8,
                     color="black" if light else "white")
         fig.colorbar(image, ax=ax, label=metric)
-        with np.errstate(invalid="ignore"):
-            within = grid <= best + tol if direction == "minimize" else grid >= best - tol
-        robust = float((within & np.isfinite(grid)).sum()) / grid.size
+        own = grid[np.isfinite(grid)]
+        own_best = _best(own, direction) if own.size else math.nan
         name = slug(title)
         path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
         _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
-        out.append(HeatmapPanel(title, values, xs, ys, grid, path, fig, robust))
+        out.append(HeatmapPanel(
+            title, values, xs, ys, grid, path, fig, own_best,
+            robustness=within(grid, best, spec.robustness_pct, direction),
+            robustness_own=within(grid, own_best, spec.robustness_pct, direction)
+            if own.size else 0.0))
     _robustness_figure(out, spec, metric, best, out_dir, writer)
     return out
 
@@ -123,23 +140,43 @@ def _write_grid_csv(path: Path, spec: HeatmapSpec, xs, ys, grid) -> None:
             w.writerow([_tick(y), *("" if not np.isfinite(v) else repr(float(v)) for v in row)])
 
 
-def robustness_markdown(panels: Sequence[HeatmapPanel], spec: HeatmapSpec, metric: str) -> str:
-    lines = [f"| panel | cells within {spec.robustness_pct:g}% of the best {metric} |",
-             "|:--|--:|"]
-    lines += [f"| {p.title} | {p.robustness:.0%} ({round(p.robustness * p.grid.size)}/"
-              f"{p.grid.size}) |" for p in panels]
+def robustness_markdown(panels: Sequence[HeatmapPanel], spec: HeatmapSpec, metric: str,
+                        direction: str) -> str:
+    """The robustness table: each panel's share of cells within x % of the best cell of all
+    panels, and within x % of its own best cell."""
+    pct = f"{spec.robustness_pct:g}%"
+    best = _best([p.best for p in panels if math.isfinite(p.best)], direction)
+    lines = [f"| panel | best {metric} | cells within {pct} of the best of all panels "
+             f"({best:.4g}) | cells within {pct} of the panel's own best |",
+             "|:--|--:|--:|--:|"]
+    for p in panels:
+        n = p.grid.size
+        title = p.title.replace("|", "\\|")
+        lines.append(f"| {title} | {p.best:.4g} | {p.robustness:.0%} "
+                     f"({round(p.robustness * n)}/{n}) | {p.robustness_own:.0%} "
+                     f"({round(p.robustness_own * n)}/{n}) |")
     return "\n".join(lines) + "\n"
 
 
 def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
-    fig = Figure(figsize=(1.2 * len(panels) + 2.5, 3.2))
+    fig = Figure(figsize=(1.4 * len(panels) + 3.0, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    ax.bar(range(len(panels)), [p.robustness for p in panels], color="tab:blue")
-    ax.set_xticks(range(len(panels)), [p.title for p in panels], rotation=20, ha="right")
-    ax.set_ylim(0, 1)
-    ax.set_ylabel(f"fraction within {spec.robustness_pct:g}%")
-    ax.set_title(f"robustness: {axis_name(spec.x)} × {axis_name(spec.y)} cells within "
-                 f"{spec.robustness_pct:g}% of the best {metric} ({best:.4g})")
+    positions = np.arange(len(panels))
+    pct = f"{spec.robustness_pct:g}%"
+    for shift, attr, color, label in (
+            (-0.2, "robustness", "tab:blue", f"within {pct} of the best of all panels "
+                                             f"({best:.4g})"),
+            (0.2, "robustness_own", "tab:orange", f"within {pct} of the panel's own best")):
+        shares = [getattr(p, attr) for p in panels]
+        bars = ax.bar(positions + shift, shares, 0.4, color=color, label=label)
+        ax.bar_label(bars, [f"{round(v * p.grid.size)}/{p.grid.size}"
+                            for v, p in zip(shares, panels, strict=True)], fontsize=7)
+    ax.set_xticks(positions, [p.title for p in panels], rotation=20, ha="right")
+    ax.set_ylim(0, 1.3)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.set_ylabel(f"fraction of {axis_name(spec.x)} × {axis_name(spec.y)} cells")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"Robustness of {metric} over {axis_name(spec.x)} × {axis_name(spec.y)}")
     _save(fig, out_dir / "robustness.png", writer, "robustness")
 
 
@@ -178,21 +215,26 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
                 std[m].append(math.nan if c is None or c.std is None else c.std)
         series.append(LineSeries(describe(dict(zip(series_axes, skey, strict=True))), xs,
                                  mean, std))
-    fig = Figure(figsize=(4.2 * len(metrics), 3.4))
+    fig = Figure(figsize=(4.4 * len(metrics), 3.6), layout="constrained")
     numeric = all(isinstance(x, int | float) for x in xs)
+    n_seeds = sorted({c.n for c in stats[metrics[0]].values() if c.n})
+    seeds = f"{'/'.join(map(str, n_seeds))} seed{'s' if n_seeds != [1] else ''}"
     for i, m in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
         for s in series:
             pos = xs if numeric else list(range(len(xs)))
             mu, sd = np.array(s.mean[m]), np.nan_to_num(np.array(s.std[m]))
-            ax.plot(pos, mu, marker="o", label=s.label)
-            ax.fill_between(pos, mu - sd, mu + sd, alpha=0.2)
+            line, = ax.plot(pos, mu, marker="o", label=s.label)
+            ax.fill_between(pos, mu - sd, mu + sd, color=line.get_color(), alpha=0.2,
+                            linewidth=0)
         if spec.logx and numeric:
             ax.set_xscale("log")
-        if not numeric:
-            ax.set_xticks(range(len(xs)), [_tick(x) for x in xs])
+        ax.set_xticks(xs if numeric else range(len(xs)), [_tick(x) for x in xs])
+        ax.minorticks_off()
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(m)
+        ax.set_title(f"{m}: mean ± std over {seeds}" if max(n_seeds, default=1) > 1
+                     else f"{m} ({seeds})", fontsize=10)
         ax.grid(alpha=0.3)
     fig.axes[0].legend(fontsize=8)
     path = _save(fig, out_dir / f"{spec.name}.png", writer, f"lines/{spec.name}")
@@ -208,12 +250,30 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
 
 
 # ------------------------------------------------------------------------------ learning curves
+@dataclass
+class Curve:
+    """One row's curve of a tag: the mean over seeds and the min–max band, by global step."""
+
+    steps: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+    seeds: int
+
+
+@dataclass
+class CurvePlot:
+    path: Path
+    figure: Figure
+    curves: dict[str, Curve]  #: row label → its curve
+
+
 def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], objective: str,
-                    direction: str, out_dir: Path, writer=None
-                    ) -> dict[str, tuple[Path, dict[str, tuple[list[int], list[float]]]]]:
-    """Each row (the axes other than ``select``) at its best setting: the mean over seeds of
-    each TensorBoard tag against the global step (steps every seed logged), read from the
-    trials' event files. Returns ``{tag: (png, {row label: (steps, means)})}``."""
+                    direction: str, out_dir: Path, writer=None) -> dict[str, CurvePlot]:
+    """Each row (the axes other than ``select``) at its best setting: each TensorBoard tag
+    against the global step, read from the trials' event files, as the mean over seeds with the
+    min–max band (at the steps every seed logged). Labels and the title say how many seeds.
+    Returns ``{tag: CurvePlot}`` for the tags some run logged."""
     rows = [a for a in axes if a not in spec.select]
     stats = cells(runs, [*rows, *spec.select], objective)
     chosen: dict[tuple, Any] = {}
@@ -223,27 +283,37 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             chosen[key[:len(rows)]] = c
     out = {}
     for tag in spec.tags:
-        fig = Figure(figsize=(5.5, 3.6))
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         ax = fig.add_subplot()
-        plotted = {}
+        plotted: dict[str, Curve] = {}
         for key, c in chosen.items():
             curves = [ScalarReader(d).scalars(tag) for d in c.run_dirs]
             curves = [cv for cv in curves if cv]
             if not curves:
                 continue
             steps = sorted(set.intersection(*(set(cv) for cv in curves)))
-            mean = [statistics.fmean(cv[s] for cv in curves) for s in steps]
+            at = [[cv[s] for cv in curves] for s in steps]
+            curve = Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
+                          [max(v) for v in at], len(curves))
             sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
                             if c.values[a] is not None)
             label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
-            ax.plot(steps, mean, label=label)
-            plotted[label] = (steps, mean)
+            line, = ax.plot(steps, curve.mean, label=f"{label}, {curve.seeds} seed"
+                            + ("s" if curve.seeds > 1 else ""))
+            if curve.seeds > 1:
+                ax.fill_between(steps, curve.low, curve.high, color=line.get_color(), alpha=0.2,
+                                linewidth=0)
+            plotted[label] = curve
         if not plotted:
             continue
-        ax.set_xlabel("global step")
+        seeds = sorted({cv.seeds for cv in plotted.values()})
+        ax.set_title(f"{tag}: mean over {'/'.join(map(str, seeds))} seed"
+                     f"{'s' if seeds != [1] else ''}"
+                     + (", band: min–max" if max(seeds) > 1 else ""), fontsize=10)
+        ax.set_xlabel("global step (optimizer steps)")
         ax.set_ylabel(tag)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         path = _save(fig, out_dir / f"curve_{slug(tag)}.png", writer, f"curves/{slug(tag)}")
-        out[tag] = (path, plotted)
+        out[tag] = CurvePlot(path, fig, plotted)
     return out

@@ -177,7 +177,7 @@ def _edge_notes(row_values, group, selected, candidates, select_axes) -> list[st
         grid = sorted({c.values[axis] for c in candidates if isinstance(c.values[axis],
                                                                        int | float)})
         value = selected[axis]
-        if len(grid) >= 3 and value in (grid[0], grid[-1]):
+        if len(grid) >= 2 and value in (grid[0], grid[-1]):
             where = describe(row_values) + (f" [{group}]" if group is not None else "")
             notes.append(f"{where}: best {axis_name(axis)}={format_value(value)} is at the "
                          f"edge of its grid {[format_value(v) for v in grid]}; extend the grid")

@@ -20,13 +20,27 @@ and is run with ``muoneq train task=my_task optimizer=muoneq_nes trainer.max_ste
 """
 
 from muoneq.runtime.config import ConfigError, RunConfig, compose, conf_dir
-from muoneq.runtime.data import ResumableSampler, TaskDataModule
-from muoneq.runtime.module import TaskModule
 from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
-from muoneq.runtime.run import RunFolderError, train
+from muoneq.runtime.record import RunFolderError
 from muoneq.runtime.schedule import build_scheduler, lr_factor
 from muoneq.runtime.tasks import TASKS, TaskSpec, get_task, register_task
-from muoneq.runtime.trainer import build_trainer
+
+#: Names whose modules import Lightning, loaded on first use (PEP 562): composing and checking
+#: configs (``--print-config``, ``--help``, a sweep's checks) never pays for it.
+_LAZY = {
+    "ResumableSampler": "muoneq.runtime.data", "TaskDataModule": "muoneq.runtime.data",
+    "TaskModule": "muoneq.runtime.module", "train": "muoneq.runtime.run",
+    "build_trainer": "muoneq.runtime.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'muoneq.runtime' has no attribute {name!r}")
+
 
 __all__ = [
     "TASKS",

@@ -20,10 +20,10 @@ from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 NPU_BACKEND = "hccl"
 
 TORCH_NPU_MISSING = (
-    "trainer.accelerator=npu needs the Ascend PyTorch adapter `torch_npu` (and the CANN "
-    "toolkit), which is not installed. Install the torch_npu build matching your torch version "
-    "(https://gitee.com/ascend/pytorch), e.g. `pip install torch-npu==<torch version>`, and "
-    "source CANN's set_env.sh before running."
+    "trainer.accelerator=npu needs the Ascend PyTorch adapter torch_npu (and the CANN toolkit), "
+    "which is not installed; install the torch_npu build matching your torch version "
+    "(https://gitee.com/ascend/pytorch, e.g. pip install torch-npu==<torch version>) and source "
+    "CANN's set_env.sh before running, or choose another trainer.accelerator"
 )
 
 

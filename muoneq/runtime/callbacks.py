@@ -1,5 +1,6 @@
-"""Callbacks of every run: step time and peak memory (:class:`StepStats`) and plain log lines
-for logs that are not a terminal (:class:`LogLines`)."""
+"""Callbacks of every run: step time and peak memory (:class:`StepStats`), the lr of every
+optimizer step (:class:`StepLearningRate`) and plain log lines for logs that are not a terminal
+(:class:`LogLines`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import statistics
 import time
 
 import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
 from muoneq.runtime.accelerators import peak_memory, reset_peak_memory, synchronize
@@ -89,6 +91,18 @@ class StepStats(L.Callback):
         self.previous = dict(state_dict)
 
 
+class StepLearningRate(LearningRateMonitor):
+    """Lightning's ``LearningRateMonitor`` by step, once per optimizer step: under gradient
+    accumulation it would log the same lr at the same step for every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__(logging_interval="step")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # the step's first micro-batch
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
 class LastValidation(L.Callback):
     """The optimizer step of the last validation (kept in checkpoints), so that a run whose
     budget ends between validations is validated once more on its final weights."""
@@ -109,12 +123,20 @@ class LastValidation(L.Callback):
 
 class LogLines(L.Callback):
     """One plain line every ``log_every_n_steps`` steps and after every validation (rank 0),
-    for logs written to files (SLURM, nohup), where a progress bar is unreadable."""
+    for logs written to files (SLURM, nohup), where a progress bar is unreadable. ``step k``
+    is the global step after the k-th optimizer step, with that step's loss and lr (the
+    values TensorBoard shows at k)."""
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
         self._last_time = time.perf_counter()
         self._last_step = 0
+        self._lr = math.nan
+
+    @rank_zero_only
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the lr this optimizer step uses (the scheduler moves on before on_train_batch_end)
+        self._lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else math.nan
 
     @staticmethod
     def _format(metrics: dict, prefix: str) -> str:
@@ -134,10 +156,9 @@ class LogLines(L.Callback):
         rate = (now - self._last_time) / max(1, step - self._last_step)
         self._last_time, self._last_step = now, step
         total = trainer.estimated_stepping_batches
-        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else math.nan
         metrics = self._format(trainer.callback_metrics, "train/")
         print(
-            f"epoch {trainer.current_epoch}  step {step}/{total}  {metrics}  lr {lr:.3g}  "
+            f"epoch {trainer.current_epoch}  step {step}/{total}  {metrics}  lr {self._lr:.3g}  "
             f"{rate:.3f} s/step",
             flush=True,
         )

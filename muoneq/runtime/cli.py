@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import sys
-
 from omegaconf import OmegaConf
 
-from muoneq.runtime.config import GROUPS, ConfigError, compose, conf_dir
+from muoneq.runtime.config import GROUPS, compose, conf_dir
 
 USAGE = """\
-usage: muoneq train [--print-config] [GROUP=FILE ...] [KEY=VALUE ...]
+usage: muoneq train [--print-config] [--debug] [GROUP=FILE ...] [KEY=VALUE ...]
 
 Compose a run config from conf/ and train it. Examples:
   muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes seed=1
   muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.mode=RC \\
-      optimizer.lr=5e-2 trainer.devices=4 trainer.strategy=ddp run.dir=runs/rc-seed1
+      optimizer.lr=5e-2 trainer=ddp trainer.devices=4 run.dir=runs/rc-seed1
   muoneq train experiment=cifar10_resnet18 resume=auto run.dir=runs/rc-seed1
 
 GROUP=FILE picks conf/GROUP/FILE.yaml (or a path to a .yaml file); KEY=VALUE overrides any
 key of the composed config (dotted: optimizer.lr, task.data.root, trainer.max_epochs, ...).
---print-config prints the composed config and exits.
+--print-config prints the composed config and exits. resume=auto continues the run in the run
+folder only if it was run with the same settings (keys that cannot change the result aside), and
+says which keys differ otherwise. Mistakes are one line, `muoneq: <what>; <how to fix>` (exit 2);
+--debug shows the traceback.
 """
 
 
@@ -32,6 +33,25 @@ def _available() -> str:
     return "\n".join(lines)
 
 
+def closing_line(metrics: dict) -> str:
+    """What a finished run reports: the paper's metric for the task, then the monitored
+    validation metric (best and final), step time and wall-clock, each named."""
+
+    def show(value) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    parts = []
+    paper = metrics.get("paper_metric")
+    if paper and metrics.get(paper) is not None:
+        parts.append(f"{paper}={show(metrics[paper])}")
+    if metrics.get("monitor"):
+        parts.append(f"{metrics['monitor']} best={show(metrics.get('best'))} "
+                     f"final={show(metrics.get('final'))}")
+    parts += [f"{k}={show(metrics[k])}" for k in ("step_time_s", "wall_clock_s")
+              if metrics.get(k) is not None]
+    return f"muoneq train: finished {metrics.get('run_dir')}: " + "  ".join(parts)
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -39,28 +59,16 @@ def main(argv: list[str]) -> int:
         return 0
     print_only = "--print-config" in argv
     args = [a for a in argv if a != "--print-config"]
-    try:
-        cfg = compose(args)
-    except ConfigError as err:
-        print(f"muoneq train: config error: {err}", file=sys.stderr)
-        return 2
+    cfg = compose(args)  # a ConfigError is shown by the muoneq command as one line
     if print_only:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
 
-    from muoneq.runtime.run import RunFolderError, train  # heavy imports only when training
-
-    try:
-        metrics = train(cfg, argv=args)
-    except RunFolderError as err:
-        print(f"muoneq train: {err}", file=sys.stderr)
-        return 2
     from lightning.pytorch.utilities import rank_zero_only
 
-    if rank_zero_only.rank != 0:
-        return 0
-    shown = {k: metrics.get(k) for k in ("best", "final", "step_time_s", "wall_clock_s")}
-    shown |= {k: v for k, v in metrics.items() if k.startswith("test/")}
-    print("muoneq train: finished " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else
-                                                 f"{k}={v}" for k, v in shown.items()))
+    from muoneq.runtime.run import train  # heavy imports only when training
+
+    metrics = train(cfg, argv=args)
+    if rank_zero_only.rank == 0:
+        print(closing_line(metrics))
     return 0

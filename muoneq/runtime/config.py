@@ -21,6 +21,8 @@ file it came from and the allowed keys or values.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -29,12 +31,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from muoneq.errors import UserError
 from muoneq.runtime.optim import check_optimizer_config, optimizer_schema
 from muoneq.runtime.schedule import ScheduleInterval, ScheduleName
-from muoneq.runtime.tasks import get_task
+from muoneq.runtime.tasks import task_config
 
 GROUPS = ("experiment", "task", "optimizer", "trainer")
 DEFAULT_CHOICES = {
@@ -42,8 +46,26 @@ DEFAULT_CHOICES = {
 }
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
+#: Keys (or sections, ending in ".") of a run config that cannot change what a run computes:
+#: where it is written, how progress is shown, how often it logs and checkpoints (resume is
+#: exact from any checkpoint), the loader's worker processes (every task's data order and
+#: augmentation are functions of the seed, epoch and sample only) and whether data may be
+#: downloaded. They are left out of a run's fingerprint (:mod:`muoneq.runtime.record`) and of
+#: its default folder name; every other key, the device layout included (``trainer.devices``,
+#: ``trainer.num_nodes``, ``trainer.strategy``: they change the per-device batch, hence
+#: BatchNorm statistics and the order of reductions), is part of what a run is.
+NON_RESULT_KEYS = (
+    "run.", "resume", "trainer.progress", "trainer.log_every_n_steps",
+    "trainer.checkpoint_every_n_steps", "task.data.num_workers", "task.data.download",
+)
 
-class ConfigError(ValueError):
+
+def is_result_key(key: str) -> bool:
+    """Whether the dotted config ``key`` can change what a run computes (see NON_RESULT_KEYS)."""
+    return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NON_RESULT_KEYS)
+
+
+class ConfigError(UserError, ValueError):
     """A config that cannot run; the message names the key and the allowed keys/values."""
 
 
@@ -150,9 +172,9 @@ class TrainerConfig:
 
 @dataclass
 class SpectraConfig:
-    """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures fig3 and
-    fig:e_b_metrics (:class:`muoneq.diagnostics.SpectralMonitor`; CSV ``spectra.csv`` and
-    TensorBoard ``spectra/*`` in the run's log folder)."""
+    """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures 2 and 7
+    (``fig3``, ``fig:e_b_metrics``; :class:`muoneq.diagnostics.SpectralMonitor`; CSV
+    ``spectra.csv`` and TensorBoard ``spectra/*`` in the run's log folder)."""
 
     enabled: bool = False
     #: Module-name patterns (fnmatch) whose weights are measured, e.g. ``["*.mlp.*"]``.
@@ -161,7 +183,7 @@ class SpectraConfig:
     fractions: list[float] = field(default_factory=lambda: [0.01, 0.1, 0.5, 1.0])
     steps: list[int] | None = None
     modes: list[str] = field(default_factory=lambda: ["none", "R", "C", "RC"])
-    #: dtype of the measured Newton–Schulz iteration (float64: Theorem th_ns's exact error).
+    #: dtype of the measured Newton–Schulz iteration (float64: the exact error of Theorem 3.1).
     ns_dtype: str = "float64"
     log_figures: bool = True
 
@@ -185,7 +207,9 @@ class SpectraConfig:
 
 @dataclass
 class RunSection:
-    #: Run name; default ``<experiment or task>-<optimizer>-seed<seed>[-<overrides>]``.
+    #: Run name; default ``<experiment or task>-<optimizer>-seed<seed>``, followed, when the
+    #: command line sets anything else that changes the result, by those settings (shortened)
+    #: and a hash of their resolved values (:func:`default_run_name`).
     name: str | None = None
     #: Run folder; default ``<root>/<name>``.
     dir: str | None = None
@@ -289,19 +313,75 @@ def split_args(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return choices, overrides
 
 
-def _default_run_name(choices: dict, seed: int, overrides: list[str]) -> str:
+def resolved_value(cfg: DictConfig, key: str):
+    """The plain, resolved value of a dotted key (enums as their names, containers as lists
+    and dicts)."""
+    wrapped = OmegaConf.create({"value": OmegaConf.select(cfg, key)})
+    return OmegaConf.to_container(wrapped, resolve=True, enum_to_str=True)["value"]
+
+
+def default_run_name(choices: dict, cfg: DictConfig, args: Sequence[str]) -> str:
+    """``<experiment or task>-<optimizer>-seed<seed>``, then, for command-line settings that can
+    change the result (group choices such as ``trainer=gpu`` and overrides, see
+    :data:`NON_RESULT_KEYS`), a readable summary cut at 60 characters and an 8-digit hash of
+    their resolved values (``optimizer.lr=5e-2`` and ``optimizer.lr=0.05`` are the same run).
+    Only letters, digits and ``-_.=`` are used, so the name is safe in any shell and path."""
     base = Path(choices["experiment"] or choices["task"]).stem
-    name = f"{base}-{Path(choices['optimizer']).stem}-seed{seed}"
-    extra = [o for o in overrides if not o.startswith(("seed=", "run.", "resume="))]
-    if extra:  # Hydra's override_dirname: runs that differ by an override get their own folder
-        name += "-" + ",".join(sorted(extra)).replace("/", "_")
-    return name[:200]
+    name = f"{base}-{Path(choices['optimizer']).stem}-seed{cfg.seed}"
+    settings: dict[str, object] = {}
+    for arg in args:
+        key, value = arg.split("=", 1)
+        if key in GROUPS:
+            if key not in ("experiment", "optimizer"):
+                settings[key] = Path(value).stem
+        elif key != "seed" and is_result_key(key):
+            settings[key] = resolved_value(cfg, key)
+    if not settings:
+        return name
+    items = sorted(settings.items())
+    digest = hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:8]
+    readable = re.sub(r"[^A-Za-z0-9_.=-]+", "_", "-".join(
+        f"{k}={json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in items))
+    readable = re.sub(r"_+", "_", readable)[:60].strip("_-")
+    return f"{name}-{readable}-{digest}"
 
 
-def compose(args: Sequence[str] = (), root: Path | None = None) -> DictConfig:
-    """Compose, type-check and validate the run config described by ``args``."""
+def compose(args: Sequence[str] = (), root: Path | None = None, *,
+            cache: dict | None = None) -> DictConfig:
+    """Compose, type-check and validate the run config described by ``args``.
+
+    ``cache``: a dict kept by a caller that composes many configs in a row (a sweep validating
+    its points); the layers below the command line are composed once per set of group choices.
+    """
     root = Path(root) if root is not None else conf_dir()
     choices, overrides = split_args(args)
+    key = (str(root), tuple(sorted(choices.items())))
+    if cache is not None and key in cache:
+        chosen, base = cache[key]
+    else:
+        chosen, base = _compose_files(choices, root)
+        if cache is not None:
+            cache[key] = chosen, base
+    try:
+        dotlist = OmegaConf.from_dotlist(overrides)
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"command line: a value is not valid YAML ({err}); quote lists of "
+                          "strings, e.g. \"spectra.modules=['*conv*']\"") from None
+    for name in ("task.name", "optimizer.name"):
+        if OmegaConf.select(dotlist, name) is not None:
+            group = name.split(".")[0]
+            raise ConfigError(f"{name}: choose the {group} with {group}=<file> instead")
+    cfg = _merge(base, dotlist, "command line")
+    validate(cfg)
+    if cfg.run.name is None:
+        cfg.run.name = default_run_name(chosen, cfg, args)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _compose_files(choices: dict[str, str], root: Path) -> tuple[dict, DictConfig]:
+    """The group choices in effect and the config of the files alone (every layer below the
+    command line)."""
     chosen = dict(DEFAULT_CHOICES)
     experiment = None
     per_optimizer: dict = {}
@@ -330,7 +410,7 @@ def compose(args: Sequence[str] = (), root: Path | None = None) -> DictConfig:
     task_name = task_yaml.get("name", files["task"].stem)
     optimizer_name = optimizer_yaml.get("name", files["optimizer"].stem)
     try:
-        task_schema = get_task(task_name).config
+        task_schema = task_config(task_name)
         opt_schema = optimizer_schema(optimizer_name)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -355,20 +435,7 @@ def compose(args: Sequence[str] = (), root: Path | None = None) -> DictConfig:
                 f"optimizer {opt_choice} (it pins: {', '.join(per_optimizer)}); using "
                 f"{files['optimizer']} as it is"
             )
-    try:
-        dotlist = OmegaConf.from_dotlist(overrides)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"command line: {err}") from None
-    for key in ("task.name", "optimizer.name"):
-        if OmegaConf.select(dotlist, key) is not None:
-            group = key.split(".")[0]
-            raise ConfigError(f"{key}: choose the {group} with {group}=<file> instead")
-    cfg = _merge(cfg, dotlist, "command line")
-    if cfg.run.name is None:
-        cfg.run.name = _default_run_name(chosen, cfg.seed, overrides)
-    validate(cfg)
-    OmegaConf.set_struct(cfg, True)
-    return cfg
+    return chosen, cfg
 
 
 def validate(cfg: DictConfig) -> None:

@@ -9,6 +9,7 @@ hyper-parameters and routing preset), the step-wise LR schedule, FSDP2 sharding 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import lightning as L
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from muoneq.runtime.optim import build_optimizer_from_config
-from muoneq.runtime.schedule import build_scheduler
+from muoneq.runtime.schedule import build_scheduler, schedule_warnings
 
 
 def _as_dict(cfg: DictConfig | Mapping) -> dict:
@@ -38,13 +39,18 @@ class TaskModule(L.LightningModule):
         compile: wrap the network's forward in ``torch.compile``.
 
     Class attributes a task sets:
-        monitor, monitor_mode: the metric that picks the ``best`` checkpoint and is reported as
-            ``best`` / ``final`` in ``metrics.json`` (``"max"`` or ``"min"``).
+        monitor, monitor_mode: the validation metric that picks the ``best`` checkpoint and is
+            reported as ``best`` / ``final`` in ``metrics.json`` (``"max"`` or ``"min"``);
+            ``monitor = None``: the task has no validation set, so nothing is validated or
+            selected during training.
+        paper_metric: the metric the paper reports for the task (``muoneq train`` prints it
+            first when a run ends).
         hparam_metrics: test metrics declared in TensorBoard's HParams view.
     """
 
-    monitor: str = "val/loss"
+    monitor: str | None = "val/loss"
     monitor_mode: str = "min"
+    paper_metric: str | None = None
     hparam_metrics: tuple[str, ...] = ()
 
     def __init__(
@@ -98,8 +104,25 @@ class TaskModule(L.LightningModule):
         )
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": interval, "frequency": 1},
+            # "lr" + the groups' names: TensorBoard tags lr/muon and lr/adamw
+            "lr_scheduler": {"scheduler": scheduler, "interval": interval, "frequency": 1,
+                             "name": "lr"},
         }
+
+    def on_train_start(self) -> None:
+        """Warn (once, on rank 0) about a schedule that makes no sense for this run's length."""
+        s = self.schedule_config
+        interval = s.get("interval", "step")
+        try:
+            budget = self._budget_epochs() if interval == "epoch" else self._budget_steps()
+        except ValueError:
+            return  # no known length: the schedule's own total_steps is all there is
+        problems = schedule_warnings(
+            name=s["name"], interval=interval, warmup_steps=s["warmup_steps"],
+            total_steps=s.get("total_steps"), budget=budget, min_lr_ratio=s["min_lr_ratio"])
+        if self.trainer.is_global_zero:
+            for text in problems:
+                print(f"muoneq: warning: {text}", file=sys.stderr, flush=True)
 
     def _budget_epochs(self) -> int:
         """Epochs of the whole run (``schedule.interval=epoch``)."""

@@ -116,6 +116,8 @@ def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> tor
 
     Hybrid optimizers get :func:`muoneq.param_groups` with the section's routing preset
     (matrix path / AdamW path); element-wise ones (``sgd``, ``adamw``) take every parameter.
+    Param groups are named by their path, ``muon`` and ``adamw`` (element-wise: the optimizer's
+    name), which names their lr curves in TensorBoard (``lr/muon``, ``lr/adamw``).
     """
     name = cfg["name"]
     hparams = optimizer_hparams(cfg)
@@ -123,10 +125,12 @@ def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> tor
         routing = cfg.get("routing", Routing.default)
         routing = Routing[routing] if isinstance(routing, str) else routing
         groups = param_groups(
-            model, adamw_names=tuple(cfg.get("adamw_names", ())), **ROUTING_PRESETS[routing]
+            model, adamw_names=tuple(cfg.get("adamw_names", ())),
+            muon_hparams={"name": "muon"}, adamw_hparams={"name": "adamw"},
+            **ROUTING_PRESETS[routing],
         )
         return build_optimizer(name, groups, **hparams)
-    return build_optimizer(name, model, **hparams)
+    return build_optimizer(name, [{"params": list(model.parameters()), "name": name}], **hparams)
 
 
 def check_optimizer_config(cfg: DictConfig) -> None:

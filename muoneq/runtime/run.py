@@ -2,9 +2,9 @@
 
 A run folder (``run.dir``, default ``runs/<run.name>``) holds::
 
-    config.yaml       the fully resolved config, plus a ``provenance`` section (package
-                      version, git commit, command line, host, versions)
-    tensorboard/      TensorBoard scalars and hparams (with declared metrics)
+    config.yaml       the fully resolved config and its provenance (see
+                      :mod:`muoneq.runtime.record`): what ran, its fingerprint, who ran it
+    tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
     checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric)
     metrics.json      final figures; written last, only by a run that finished
 
@@ -13,15 +13,10 @@ A sweep driver may treat the presence of ``metrics.json`` as success.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
-import platform
 import re
-import socket
-import subprocess
-import sys
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -33,17 +28,24 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 import muoneq
+from muoneq.errors import Interrupted
+from muoneq.runtime import record
 from muoneq.runtime.callbacks import LastValidation, StepStats
 from muoneq.runtime.config import Resume
+from muoneq.runtime.record import CONFIG_FILE, RunFolderError, atomic_write
 from muoneq.runtime.tasks import get_task
-from muoneq.runtime.trainer import BEST_NAME, CHECKPOINT_DIR, LAST_PREFIX, build_trainer
+from muoneq.runtime.trainer import (
+    BEST_NAME,
+    CHECKPOINT_DIR,
+    LAST_PREFIX,
+    TENSORBOARD_DIR,
+    build_trainer,
+    check_accelerator,
+)
 
 METRICS_FILE = "metrics.json"
-CONFIG_FILE = "config.yaml"
 
-
-class RunFolderError(RuntimeError):
-    """The run folder holds another run's results and ``resume`` does not allow reusing it."""
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -72,67 +74,31 @@ def find_resume_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=Path(muoneq.__file__).parent, capture_output=True, text=True,
-            timeout=10, check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
+def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) -> None:
+    """The run's hyper-parameters in TensorBoard's HParams view, with ``metrics`` declared as
+    its columns (it shows only declared ones). Lightning's ``log_hyperparams(metrics=...)``
+    would also log each declared metric as a scalar at step 0; those NaN points are not data."""
+    from torch.utils.tensorboard.summary import hparams
+
+    params = {k: v if isinstance(v, bool | int | float | str) else str(v)
+              for k, v in record.flatten(record.resolved(cfg)).items()}
+    writer = trainer.logger.experiment._get_file_writer()
+    for summary in hparams(params, dict.fromkeys(metrics, 0.0)):
+        writer.add_summary(summary)
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """What produced a run: package version, git commit, command line, host and versions."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "muoneq_version": muoneq.__version__,
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-        "command": " ".join(["muoneq", "train", *argv]) if argv is not None else " ".join(sys.argv),
-        "host": socket.gethostname(),
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": str(torch.__version__),
-        "lightning": L.__version__,
-    }
-
-
-def _resolved(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _write_config(run_dir: Path, cfg: DictConfig, argv: list[str] | None, resumed_from) -> None:
-    path = run_dir / CONFIG_FILE
-    resolved = _resolved(cfg)
-    if resumed_from is not None and path.is_file():
-        before = _flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items()
-                           if k != "provenance"})
-        now = _flatten(resolved)
-        changed = sorted(k for k in before.keys() | now.keys()
-                         if k != "resume" and before.get(k) != now.get(k))
-        if changed:
-            print(f"muoneq: note: resuming with a config that differs at: {', '.join(changed)}")
-    document = {**resolved, "provenance": {**provenance(argv), "resumed_from": (
-        str(resumed_from) if resumed_from is not None else None)}}
-    _atomic_write(path, OmegaConf.to_yaml(OmegaConf.create(document)))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _clear_attempt(run_dir: Path) -> None:
+    """Remove the TensorBoard events and partial checkpoints of an earlier attempt in this run
+    folder that saved no checkpoint (its curves would mix with this run's). Only a folder with
+    a ``config.yaml`` is a run folder; nothing else is ever deleted."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        return
+    leftovers = [run_dir / d for d in (TENSORBOARD_DIR, CHECKPOINT_DIR) if (run_dir / d).is_dir()]
+    if leftovers:
+        print(f"muoneq: note: {run_dir} holds an earlier attempt that saved no checkpoint; "
+              "starting over (its tensorboard/ and checkpoints/ are removed)")
+    for path in leftovers:
+        shutil.rmtree(path)
 
 
 def _number(value) -> float | None:
@@ -164,29 +130,37 @@ def _keep_best(trainer: L.Trainer, best_cb: ModelCheckpoint, score: float | None
 def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> dict:
     """Run ``cfg`` to the end and return the figures written to ``metrics.json``.
 
-    ``resume=never`` refuses a run folder that holds checkpoints or metrics; ``resume=auto``
-    continues from its newest complete ``last`` checkpoint (or returns the saved figures of a
-    run that already finished). Extra Lightning ``callbacks`` (e.g. a pruning callback) are added
-    to the trainer's.
+    ``resume=never`` refuses a run folder that holds checkpoints or metrics. ``resume=auto``
+    continues from its newest complete ``last`` checkpoint, or returns the saved figures of a
+    run that already finished, but only when that run computed what ``cfg`` computes (equal
+    fingerprints: every key that can change the result, and the number of processes); otherwise
+    it raises :class:`RunFolderError` with one line per differing key and leaves the folder as
+    it was. A finished run is never extended (see :func:`muoneq.runtime.record.check_same_run`).
+    Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
     """
     started = time.perf_counter()
+    check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
-    resume = cfg.resume is Resume.auto
     metrics_path = run_dir / METRICS_FILE
-    if metrics_path.is_file():
-        if resume:
-            print(f"muoneq: {run_dir} already finished ({METRICS_FILE} present); nothing to do")
+    finished = metrics_path.is_file()
+    checkpoint = None if finished else find_resume_checkpoint(run_dir)
+    previous = record.read_record(run_dir)
+    if finished or checkpoint is not None:
+        what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
+        if cfg.resume is not Resume.auto:
+            raise RunFolderError(
+                f"{run_dir} holds {what}; pass resume=auto to "
+                f"{'read its results' if finished else 'continue it'}, or start a new run in "
+                "another folder (another run.dir or run.name)")
+        if previous is None:
+            raise RunFolderError(
+                f"{run_dir} holds {what} but no {CONFIG_FILE}, so what it ran cannot be "
+                "checked; start the run in another folder (another run.dir or run.name)")
+        record.check_same_run(run_dir, previous, cfg, finished=finished)
+        if finished:
+            print(f"muoneq: {run_dir} already finished with these settings; its {METRICS_FILE} "
+                  "is the result (nothing to do)")
             return json.loads(metrics_path.read_text())
-        raise RunFolderError(
-            f"{run_dir} holds a finished run ({METRICS_FILE}); choose another run.name or "
-            "run.dir, or delete the folder"
-        )
-    checkpoint = find_resume_checkpoint(run_dir)
-    if checkpoint is not None and not resume:
-        raise RunFolderError(
-            f"{run_dir} holds checkpoints of an unfinished run: pass resume=auto to continue "
-            "it, or choose another run.name / run.dir"
-        )
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
@@ -196,37 +170,42 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
         callbacks=callbacks,
     )
+    if checkpoint is not None:
+        record.check_same_run(run_dir, previous, cfg, finished=False,
+                              world_size=trainer.world_size)
     if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_config(run_dir, cfg, argv, checkpoint)
-        declared = {"metrics/best": math.nan, "metrics/final": math.nan}
-        declared |= {name: math.nan for name in module.hparam_metrics}
-        trainer.logger.log_hyperparams(_resolved(cfg), metrics=declared)
-        if checkpoint is not None:
+        if checkpoint is None:
+            _clear_attempt(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            record.write_new(run_dir, cfg, argv, trainer.world_size)
+        else:
+            record.add_session(run_dir, previous, cfg, argv, checkpoint)
             print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
+        summary = ["metrics/best", "metrics/final"] if module.monitor else []
+        _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     if trainer.interrupted:
-        raise RuntimeError(
-            f"training of {run_dir} was interrupted; no {METRICS_FILE} written "
-            "(resume=auto continues from the last checkpoint)"
-        )
+        raise Interrupted(
+            f"training of {run_dir} was interrupted, no {METRICS_FILE} written; re-run the same "
+            "command with resume=auto to continue from its last checkpoint")
     fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
-    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
-    if _callback(trainer, LastValidation).step != trainer.global_step:
-        # the budget ended between validations: validate the final weights once more
-        fit_metrics |= {k: _number(v) for k, v in trainer.validate(
-            module, datamodule=datamodule, verbose=False)[0].items()}
-        _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
-    final = fit_metrics.get(module.monitor)
-    scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
-    scores = [s for s in (*scores, final) if s is not None]
-    best = (max if module.monitor_mode == "max" else min)(scores) if scores else None
-    if trainer.is_global_zero:
-        trainer.logger.log_metrics(
-            {k: v for k, v in (("metrics/best", best), ("metrics/final", final)) if v is not None},
-            step=trainer.global_step,
-        )
+    best = final = None
+    if module.monitor is not None:
+        best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
+        if _callback(trainer, LastValidation).step != trainer.global_step:
+            # the budget ended between validations: validate the final weights once more
+            fit_metrics |= {k: _number(v) for k, v in trainer.validate(
+                module, datamodule=datamodule, verbose=False)[0].items()}
+            _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
+        final = fit_metrics.get(module.monitor)
+        scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
+        scores = [s for s in (*scores, final) if s is not None]
+        best = (max if module.monitor_mode == "max" else min)(scores) if scores else None
+        if trainer.is_global_zero:
+            trainer.logger.log_metrics(
+                {k: v for k, v in (("metrics/best", best), ("metrics/final", final))
+                 if v is not None}, step=trainer.global_step)
 
     test_metrics = {}
     if is_overridden("test_step", module) and is_overridden("test_dataloader", datamodule):
@@ -238,8 +217,9 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         "task": cfg.task.name,
         "optimizer": cfg.optimizer.name,
         "seed": cfg.seed,
+        "paper_metric": module.paper_metric,
         "monitor": module.monitor,
-        "monitor_mode": module.monitor_mode,
+        "monitor_mode": module.monitor_mode if module.monitor else None,
         "best": best,
         "final": final,
         **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
@@ -252,9 +232,9 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         **module.final_metrics(),
         "run_dir": str(run_dir),
         "muoneq_version": muoneq.__version__,
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": record.git_commit(),
     }
     metrics = {k: _number(v) if isinstance(v, float) else v for k, v in metrics.items()}
     if trainer.is_global_zero:
-        _atomic_write(metrics_path, json.dumps(metrics, indent=2, default=str) + "\n")
+        atomic_write(metrics_path, json.dumps(metrics, indent=2, default=str) + "\n")
     return metrics

@@ -48,6 +48,38 @@ def lr_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+def schedule_warnings(
+    *, name: ScheduleName | str, interval: ScheduleInterval | str, warmup_steps: int,
+    total_steps: int | None, budget: int, min_lr_ratio: float = 0.0,
+) -> list[str]:
+    """What makes no sense in a schedule for a run of ``budget`` optimizer steps (or epochs,
+    with ``interval=epoch``): a warmup that never ends, and a ``total_steps`` other than the
+    run's length. One sentence each: what happens, then ``;`` and what to change."""
+    name = ScheduleName(name) if isinstance(name, str) else name
+    unit = "epochs" if ScheduleInterval(interval) is ScheduleInterval.epoch else "optimizer steps"
+    length = total_steps or budget
+    out = []
+    if warmup_steps >= min(length, budget):
+        last = lr_factor(budget - 1, name=name, warmup_steps=warmup_steps, total_steps=length,
+                         min_lr_ratio=min_lr_ratio)
+        than = (f"this run's {budget} {unit}" if budget <= length else
+                f"schedule.total_steps={length}")
+        out.append(
+            f"schedule.warmup_steps={warmup_steps} is not shorter than {than}: the lr never "
+            f"decays, and the run's last step uses {last:.2g} × optimizer.lr; lower "
+            "schedule.warmup_steps")
+    if name is not ScheduleName.constant and total_steps is not None and total_steps != budget:
+        if total_steps < budget:
+            what = (f"the cosine ends after {total_steps} and the last {budget - total_steps} "
+                    f"{unit} stay at min_lr_ratio × optimizer.lr")
+        else:
+            what = (f"training stops at {budget}, before the cosine reaches its end "
+                    f"({total_steps})")
+        out.append(f"schedule.total_steps={total_steps} differs from this run's {budget} {unit}: "
+                   f"{what}; set schedule.total_steps=null to follow the trainer's budget")
+    return out
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, *, name: ScheduleName | str, warmup_steps: int,
     total_steps: int | Callable[[], int], min_lr_ratio: float = 0.0,

@@ -33,6 +33,11 @@ BUILTIN_TASKS: dict[str, str] = {
     "cifar10": "muoneq.tasks.vision.cifar10:TASK",
     "language": "muoneq.tasks.language.task:TASK",
 }
+#: Their config dataclasses, in modules without Lightning: composing a config stays light.
+BUILTIN_CONFIGS: dict[str, str] = {
+    "cifar10": "muoneq.tasks.vision.config:Cifar10TaskConfig",
+    "language": "muoneq.tasks.language.config:LanguageTaskConfig",
+}
 
 #: Tasks already imported or registered at run time.
 TASKS: dict[str, TaskSpec] = {}
@@ -49,11 +54,24 @@ def task_names() -> list[str]:
     return sorted({*BUILTIN_TASKS, *TASKS})
 
 
+def _load(reference: str):
+    module, attr = reference.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def task_config(name: str) -> type:
+    """The config dataclass of task ``name``, without importing the task's modules."""
+    if name in TASKS:
+        return TASKS[name].config
+    if name in BUILTIN_CONFIGS:
+        return _load(BUILTIN_CONFIGS[name])
+    return get_task(name).config
+
+
 def get_task(name: str) -> TaskSpec:
     """The :class:`TaskSpec` called ``name`` (``ValueError`` listing the known names)."""
     if name not in TASKS:
         if name not in BUILTIN_TASKS:
             raise ValueError(f"task.name: unknown task {name!r}; known: {', '.join(task_names())}")
-        module, attr = BUILTIN_TASKS[name].split(":")
-        TASKS[name] = getattr(importlib.import_module(module), attr)
+        TASKS[name] = _load(BUILTIN_TASKS[name])
     return TASKS[name]

@@ -21,15 +21,19 @@ import sys
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from muoneq.runtime.accelerators import NPU_BACKEND, NPUAccelerator, torch_npu
-from muoneq.runtime.callbacks import LastValidation, LogLines, StepStats
-from muoneq.runtime.config import AcceleratorName, ProgressMode, StrategyName
+from muoneq.runtime.callbacks import LastValidation, LogLines, StepLearningRate, StepStats
+from muoneq.runtime.config import AcceleratorName, ConfigError, ProgressMode, StrategyName
 
 # Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
@@ -62,6 +66,44 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
 
+class GlobalStepLogger(TensorBoardLogger):
+    """TensorBoard at the run's global step: the number of optimizer steps done, as the console
+    lines, ``metrics.json`` and the reports count. A value belongs to the step that produced or
+    used it: the training loss and the lr of the k-th optimizer step are logged at k, a
+    validation after k steps at k. While fitting, Lightning passes the index of the batch that
+    steps (k − 1, ``_batches_that_stepped``), and after fitting (``validate``, ``test``) the
+    global step itself; this logger adds the one while the fit loop runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trainer: L.Trainer | None = None
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None) -> None:
+        t = self.trainer
+        fitting = t is not None and t.state.fn == TrainerFn.FITTING and (
+            t.state.status == TrainerStatus.RUNNING)
+        super().log_metrics(metrics, step + 1 if fitting and step is not None else step)
+
+
+def check_accelerator(t: DictConfig) -> None:
+    """A clear error for an accelerator this machine does not have (before Lightning's)."""
+    if t.accelerator is AcceleratorName.npu:
+        try:
+            torch_npu()
+        except RuntimeError as err:
+            raise ConfigError(str(err)) from None
+    elif t.accelerator in (AcceleratorName.cuda, AcceleratorName.gpu) and (
+            not torch.cuda.is_available()):
+        raise ConfigError(
+            f"trainer.accelerator={t.accelerator.value}: this machine has no usable CUDA GPU "
+            "(torch.cuda.is_available() is False); run on a GPU machine, or use trainer=cpu "
+            "(or trainer.accelerator=auto)")
+    elif t.accelerator is AcceleratorName.mps and not torch.backends.mps.is_available():
+        raise ConfigError("trainer.accelerator=mps: this machine has no Apple GPU; use "
+                          "trainer=cpu (or trainer.accelerator=auto)")
+
+
 def build_strategy(t: DictConfig):
     """The strategy object (or Lightning name) for ``trainer.strategy`` on its accelerator."""
     npu = t.accelerator is AcceleratorName.npu
@@ -72,9 +114,9 @@ def build_strategy(t: DictConfig):
         return FSDP2Strategy(process_group_backend=backend)
     if t.strategy is StrategyName.single:
         if t.num_nodes != 1 or not (t.devices == "auto" or _single_device(t.devices)):
-            raise ValueError(
-                f"trainer.strategy=single runs on one device; got trainer.devices={t.devices} "
-                f"trainer.num_nodes={t.num_nodes} (use ddp or fsdp2 for several)"
+            raise ConfigError(
+                f"trainer.strategy=single runs on one device, got trainer.devices={t.devices} "
+                f"trainer.num_nodes={t.num_nodes}; use trainer.strategy=ddp or fsdp2 for several"
             )
         return "auto"
     if npu and (t.num_nodes > 1 or not _single_device(t.devices)):
@@ -90,11 +132,13 @@ def build_trainer(
     Checkpoints (``run_dir/checkpoints``): ``last-step<N>.ckpt`` at the end of every epoch, or
     every ``trainer.checkpoint_every_n_steps`` steps, the previous one deleted only after the
     new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation (and
-    after the final one :func:`muoneq.runtime.train` adds).
+    after the final one :func:`muoneq.runtime.train` adds). ``monitor=None``: the task has no
+    validation set (e.g. CIFAR-10 without ``task.data.val_size``); no validation runs and no
+    ``best.ckpt`` is kept. Settings Lightning rejects (e.g. more devices than the machine has)
+    raise :class:`ConfigError`.
     """
     t = cfg.trainer
-    if t.accelerator is AcceleratorName.npu:
-        torch_npu()  # a clear message when it is missing (Lightning's would not say what to do)
+    check_accelerator(t)
     accelerator = NPUAccelerator() if t.accelerator is AcceleratorName.npu else (
         "cuda" if t.accelerator is AcceleratorName.gpu else t.accelerator.value
     )
@@ -110,11 +154,11 @@ def build_trainer(
         monitor=None, save_top_k=1, every_n_train_steps=t.checkpoint_every_n_steps,
         save_on_train_epoch_end=None if step_based else True, enable_version_counter=False,
     )
-    best = ModelCheckpoint(
+    best = [] if monitor is None else [ModelCheckpoint(
         dirpath=ckpt_dir, filename=BEST_NAME, monitor=monitor, mode=monitor_mode, save_top_k=1,
         auto_insert_metric_name=False, save_on_train_epoch_end=False,
         enable_version_counter=False,
-    )
+    )]
     progress = t.progress
     if progress is ProgressMode.auto:
         progress = ProgressMode.bar if sys.stdout.isatty() else ProgressMode.log
@@ -122,35 +166,51 @@ def build_trainer(
     if progress is ProgressMode.log:
         extra.append(LogLines(t.log_every_n_steps))
 
-    return L.Trainer(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=t.num_nodes,
-        strategy=build_strategy(t),
-        precision=precision,
-        plugins=plugins or None,
-        max_epochs=t.max_epochs,
-        max_steps=t.max_steps,
-        limit_train_batches=t.limit_train_batches,
-        limit_val_batches=t.limit_val_batches,
-        limit_test_batches=t.limit_test_batches,
-        val_check_interval=t.val_check_interval,
-        check_val_every_n_epoch=t.check_val_every_n_epoch,
-        num_sanity_val_steps=t.num_sanity_val_steps,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=t.gradient_clip_val,
-        log_every_n_steps=t.log_every_n_steps,
-        deterministic=t.deterministic,
-        benchmark=t.benchmark,
-        default_root_dir=run_dir,
-        logger=TensorBoardLogger(
-            save_dir=run_dir, name=TENSORBOARD_DIR, version="", default_hp_metric=False
-        ),
-        callbacks=[
-            last, best, StepStats(), LastValidation(), LearningRateMonitor("step"), *extra,
-            *callbacks,
-        ],
-        enable_progress_bar=progress is ProgressMode.bar,
-        # Tasks shard their own data (muoneq.runtime.data), so resumed runs replay exactly.
-        use_distributed_sampler=False,
-    )
+    logger = GlobalStepLogger(save_dir=run_dir, name=TENSORBOARD_DIR, version="",
+                              default_hp_metric=False)
+    strategy = build_strategy(t)
+    try:
+        trainer = L.Trainer(
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=t.num_nodes,
+            strategy=strategy,
+            precision=precision,
+            plugins=plugins or None,
+            max_epochs=t.max_epochs,
+            max_steps=t.max_steps,
+            limit_train_batches=t.limit_train_batches,
+            limit_val_batches=0 if monitor is None else t.limit_val_batches,
+            limit_test_batches=t.limit_test_batches,
+            val_check_interval=t.val_check_interval,
+            check_val_every_n_epoch=t.check_val_every_n_epoch,
+            num_sanity_val_steps=t.num_sanity_val_steps,
+            accumulate_grad_batches=t.accumulate_grad_batches,
+            gradient_clip_val=t.gradient_clip_val,
+            log_every_n_steps=t.log_every_n_steps,
+            deterministic=t.deterministic,
+            benchmark=t.benchmark,
+            default_root_dir=run_dir,
+            logger=logger,
+            callbacks=[
+                last, *best, StepStats(), LastValidation(), StepLearningRate(),
+                *extra, *callbacks,
+            ],
+            enable_progress_bar=progress is ProgressMode.bar,
+            # Tasks shard their own data (muoneq.runtime.data), so resumed runs replay exactly.
+            use_distributed_sampler=False,
+        )
+        # what Lightning checks only when fit() launches, after the run folder is written:
+        # the launcher's process counts (e.g. SLURM's --ntasks-per-node) against ours
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if environment is not None:
+            environment.validate_settings(trainer.num_devices, trainer.num_nodes)
+    except (MisconfigurationException, ValueError) as err:
+        # e.g. more devices than this machine has, or trainer.devices ≠ SLURM's ntasks-per-node
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"trainer: {first}; check trainer.accelerator ({t.accelerator.value}), "
+            f"trainer.devices ({t.devices}), trainer.num_nodes ({t.num_nodes}) and "
+            f"trainer.strategy ({t.strategy.value}) against this machine") from None
+    logger.trainer = trainer
+    return trainer

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-import sys
 from pathlib import Path
 
 import optuna
@@ -13,6 +12,7 @@ import optuna
 from muoneq.sweeps.driver import Driver, DriverOptions, trial_command
 from muoneq.sweeps.spec import SweepError, load_sweep
 from muoneq.sweeps.storage import storage_label
+from muoneq.sweeps.validate import check_trials, search_points
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,18 +52,19 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = load_sweep(args.sweep, args.sets)
+    spec.overrides = list(spec.overrides) + list(args.train_overrides)
+    devices = args.devices.split(",") if args.devices else None
+    options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
+                            runs_dir=args.runs_dir, poll_s=args.poll)
+    if args.dry_run:
+        return _dry_run(spec, options)
     try:
-        spec = load_sweep(args.sweep, args.sets)
-        spec.overrides = list(spec.overrides) + list(args.train_overrides)
-        devices = args.devices.split(",") if args.devices else None
-        options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
-                                runs_dir=args.runs_dir, poll_s=args.poll)
-        if args.dry_run:
-            return _dry_run(spec, options)
         driver = Driver(spec, options)
-    except (SweepError, ValueError) as err:
-        print(f"muoneq sweep: {err}", file=sys.stderr)
-        return 2
+    except SweepError:
+        raise
+    except ValueError as err:  # e.g. a malformed --storage URL
+        raise SweepError(str(err)) from None
     where = storage_label(args.storage, driver.study_dir)
     if args.status:
         s = driver.summary()
@@ -74,7 +75,8 @@ def main(argv: list[str]) -> int:
                  driver.study_dir)
     s = driver.run()
     print(f"study {spec.study}: {s.done}/{s.total} runs done"
-          + (f", {len(s.exhausted)} out of retries: {s.exhausted}" if s.exhausted else "")
+          + (f", {len(s.exhausted)} failed for good (a config error, or out of retries; see "
+             f"their trial.log): {s.exhausted}" if s.exhausted else "")
           + (f", {s.pending} to go (re-run the same command to continue)" if s.pending else ""))
     if not s.pending:
         print(f"report: muoneq report {driver.study_dir}"
@@ -83,17 +85,22 @@ def main(argv: list[str]) -> int:
 
 
 def _dry_run(spec, options: DriverOptions) -> int:
+    study_dir = options.runs_dir / spec.study
+    composed = check_trials(spec, study_dir)
     if not spec.is_grid:
         print(f"study {spec.study}: TPE over {', '.join(spec.search.params)}, "
               f"{spec.search.n_trials} configurations × {len(spec.seeds)} seeds")
-        return 0
-    points = spec.points()
-    print(f"study {spec.study}: {len(points)} points × {len(spec.seeds)} seeds = "
-          f"{len(points) * len(spec.seeds)} runs")
-    for p in points:
-        print(f"  {p.key}")
-    first, seed = points[0], spec.seeds[0]
-    run_dir = options.runs_dir / spec.study / "trials" / first.slug() / f"seed{seed}"
-    argv, _, _ = trial_command(spec, first, seed, run_dir)
+    else:
+        points = spec.points()
+        print(f"study {spec.study}: {len(points)} points × {len(spec.seeds)} seeds = "
+              f"{len(points) * len(spec.seeds)} runs")
+        for p in points:
+            print(f"  {p.key}")
+    first = spec.points()[0] if spec.is_grid else next(iter(search_points(spec)))
+    argv, _, _ = trial_command(spec, first, spec.seeds[0], first.run_dir(study_dir,
+                                                                         spec.seeds[0]))
     print("first command:", shlex.join(argv))
+    print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
+          + (" (the search's bounds)" if not spec.is_grid else "")
+          if composed else "not checked: launch.command does not run `muoneq train`")
     return 0

@@ -17,7 +17,12 @@ process, several processes, several machines on one RDB storage) share a study:
   free; other machines: no heartbeat for ``retry.stale_after_s``). If its process finished,
   its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for;
   otherwise it is told FAIL and re-queued, up to ``retry.max_retries`` times. A run folder that
-  already holds ``metrics.json`` is told, never run again.
+  already holds ``metrics.json`` is told, never run again;
+* **config errors**: before the study is created or continued, every point's training config is
+  composed and existing run folders are compared with it (:mod:`muoneq.sweeps.validate`). A run
+  whose process exits with status 2 (the ``muoneq`` command's status for a mistake the user must
+  fix: a config, data or resume error) is failed at once, without retries; a later driver (the
+  same command run again, after the fix) tries it once more.
 
 Optuna's ``RetryFailedTrialCallback`` and heartbeats only work inside ``study.optimize``; this
 bookkeeping is their ask/tell equivalent, keyed by the run rather than the trial.
@@ -49,6 +54,7 @@ from muoneq.sweeps import launch
 from muoneq.sweeps.events import ScalarReader
 from muoneq.sweeps.spec import Point, SweepError, SweepSpec, format_value, spec_to_dict
 from muoneq.sweeps.storage import open_storage, storage_label
+from muoneq.sweeps.validate import check_trials
 
 log = logging.getLogger("muoneq.sweeps")
 
@@ -57,6 +63,9 @@ ATTR_KEY, ATTR_POINT, ATTR_SEEDS, ATTR_DIRS = "run_key", "point", "seeds", "run_
 ATTR_DRIVER, ATTR_HOST, ATTR_BEAT, ATTR_OUTCOME = "driver", "host", "heartbeat", "outcome"
 #: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
 FAILURES = ("failed", "timeout")
+#: a trial process that exits with this status has a config, data or resume error (``muoneq``
+#: prints it as one line): retrying cannot help, the user must fix it
+CONFIG_ERROR_EXIT = 2
 DONE_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
@@ -95,6 +104,7 @@ class RunState:
     orphans: list[FrozenTrial] = field(default_factory=list)
     waiting: list[FrozenTrial] = field(default_factory=list)
     failures: int = 0
+    config_error: bool = False  #: an attempt of this driver exited with a config error
     tried: list[FrozenTrial] = field(default_factory=list)  #: failed or interrupted attempts
 
 
@@ -132,6 +142,7 @@ class Driver:
         if spec.is_grid:
             self.points = {p.key: p for p in spec.points()}
             self.expected = {self._grid_key(k, s) for k in self.points for s in spec.seeds}
+        self.validated = check_trials(spec, self.study_dir)  # before the study is created
         self.study = self._open_study()
 
     # ------------------------------------------------------------------------------- setup
@@ -197,11 +208,16 @@ class Driver:
             study.set_user_attr("fingerprint", mine)
         elif recorded != mine:
             changed = sorted(k for k in mine if recorded.get(k) != mine[k])
+            where = storage_label(self.opts.storage, self.study_dir)
+            delete = (f"delete it (rm -r {self.study_dir})" if self.opts.storage is None else
+                      f"delete it (optuna delete-study --study-name {self.spec.study} --storage "
+                      f"{where}, and rm -r {self.study_dir})")
             raise SweepError(
-                f"study {self.spec.study!r} in {storage_label(self.opts.storage, self.study_dir)}"
-                f" was created with other {', '.join(changed)}: "
-                + "; ".join(f"{k}: {recorded.get(k)!r} → {mine[k]!r}" for k in changed)
-                + ". Restore them or name a new study (--set study=NAME)."
+                f"study {self.spec.study!r} in {where} was created with other "
+                f"{', '.join(changed)} (below), and a study keeps the settings it started with; "
+                "restore them (the sweep file, --set and --override), give this sweep a new "
+                f"study name (--set study=NAME), or {delete} to start over",
+                details=[f"{k}: {recorded.get(k)!r} → {mine[k]!r}" for k in changed],
             )
         study.set_user_attr("spec", spec_to_dict(self.spec))
         (self.study_dir / "sweep.yaml").write_text(OmegaConf.to_yaml(spec_to_dict(self.spec)))
@@ -266,11 +282,14 @@ class Driver:
                 state.waiting.append(t)
             elif t.state == TrialState.FAIL:
                 state.failures += outcome in FAILURES
+                state.config_error |= (outcome == "config_error"
+                                       and _attr(t, ATTR_DRIVER) == self.driver_id)
                 state.tried.append(t)
         return runs
 
     def _exhausted(self, state: RunState) -> bool:
-        return not state.done and state.failures > self.spec.retry.max_retries
+        return not state.done and (state.config_error
+                                   or state.failures > self.spec.retry.max_retries)
 
     def _open(self, state: RunState) -> bool:
         """True when the run needs a new attempt (nothing finished, running or queued)."""
@@ -397,7 +416,7 @@ class Driver:
         return None
 
     def _run_dir(self, point: Point, seed: int) -> Path:
-        return self.study_dir / "trials" / point.slug() / f"seed{seed}"
+        return point.run_dir(self.study_dir, seed)
 
     def _worker(self, slot: int) -> None:
         while not self.stop.is_set():
@@ -474,11 +493,13 @@ class Driver:
                 attrs["metrics_per_seed"] = per_seed
         if last.status != "complete" or len(outcomes) < len(seeds):
             status = last.status if last.status in ("pruned", "interrupted", "timeout") else (
-                "failed")
+                "config_error" if last.returncode == CONFIG_ERROR_EXIT else "failed")
             state = TrialState.PRUNED if status == "pruned" else TrialState.FAIL
             self._tell(number, state, outcome=status, message=last.message, attrs=attrs)
+            note = " (not retried: fix it, then re-run the sweep)" if (
+                status == "config_error") else ""
             log.log(logging.INFO if status in ("pruned", "interrupted") else logging.WARNING,
-                    "trial %d (%s): %s %s", number, key, status,
+                    "trial %d (%s): %s%s %s", number, key, status, note,
                     ("\n" + last.message) if last.message else "")
             return
         metric = self.spec.objective.metric

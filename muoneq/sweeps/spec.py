@@ -26,6 +26,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from muoneq.errors import UserError
+
 #: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
 #: ``key=value`` (fixed overrides first, then the point's axes); ``resume=auto`` lets a retried
 #: run continue from its last checkpoint in the same run folder.
@@ -43,7 +45,7 @@ PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
 PARAM_TYPES = ("float", "int", "categorical")
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     """A sweep file or its overrides are invalid (the message names the field)."""
 
 
@@ -214,6 +216,10 @@ class Point:
     def overrides(self) -> list[str]:
         """``key=value`` training overrides (``experiment`` goes to its own placeholder)."""
         return [f"{k}={format_value(v)}" for k, v in self.items if k != "experiment"]
+
+    def run_dir(self, study_dir: Path, seed: int) -> Path:
+        """The run folder of this point with ``seed``: ``<study>/trials/<slug>/seed<seed>``."""
+        return Path(study_dir) / "trials" / self.slug() / f"seed{seed}"
 
     def slug(self) -> str:
         """A folder name for the point: readable, filesystem-safe, unique."""

@@ -8,15 +8,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from muoneq.runtime import TaskDataModule
+from muoneq.runtime import ConfigError, TaskDataModule
+from muoneq.tasks.language.config import LanguageDataConfig
 from muoneq.tasks.language.data import (
-    DEFAULT_VAL_TOKENS,
     PackedSequences,
     SequenceSampler,
     ShardedEvalSampler,
@@ -28,52 +27,6 @@ from muoneq.tasks.language.shards import find_shards
 from muoneq.tasks.language.tokenizer import load_tokenizer
 
 
-@dataclass
-class LanguageDataConfig:
-    #: Folder of token shards (``*_train_NNNNNN.bin``, ``*_val_NNNNNN.bin``).
-    dir: str = "data/c4"
-    #: Glob patterns overriding where the splits are found (e.g. ``/data/fw/fineweb_train_*.bin``).
-    train_files: str | None = None
-    val_files: str | None = None
-    #: The tokenizer the shards were written with (tiktoken name, ``.tiktoken`` file or ``byte``);
-    #: it sets the vocabulary. Checked against ``prepare.json`` when the folder has one.
-    tokenizer: str = "gpt2"
-    #: Vocabulary of the shards' tokenizer, to skip loading the tokenizer (offline clusters with
-    #: pre-tokenized shards). ``None``: from ``prepare.json``, else from the tokenizer.
-    vocab_size: int | None = None
-    #: Tokens per training sequence (the paper's tables: 4096).
-    seq_len: int = 4096
-    #: Global batch in sequences per optimizer step, reached with micro-batches and gradient
-    #: accumulation: ``batch_size = micro_batch_size × accumulation × processes``.
-    batch_size: int = 128
-    #: Sequences per process per forward pass (lower it when memory runs out).
-    micro_batch_size: int = 8
-    #: Validation: the first ``val_tokens`` predicted tokens of the validation split, a multiple
-    #: of ``seq_len`` (default 10,485,760 = 2,560 × 4,096, as modded-nanogpt).
-    val_tokens: int = DEFAULT_VAL_TOKENS
-    #: Sequences per process per validation forward; ``None``: ``micro_batch_size``.
-    val_micro_batch_size: int | None = None
-    shuffle: bool = True
-    num_workers: int = 2
-
-    def __post_init__(self) -> None:
-        for key in ("seq_len", "batch_size", "micro_batch_size", "val_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"task.data.{key}: must be ≥ 1, got {getattr(self, key)}")
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"task.data.batch_size={self.batch_size} must be a multiple of "
-                f"task.data.micro_batch_size={self.micro_batch_size}"
-            )
-        if self.val_tokens % self.seq_len:
-            raise ValueError(
-                f"task.data.val_tokens={self.val_tokens} must be a multiple of "
-                f"task.data.seq_len={self.seq_len} (the validation set is exactly that many tokens)"
-            )
-        if self.num_workers < 0:
-            raise ValueError(f"task.data.num_workers: must be ≥ 0, got {self.num_workers}")
-
-
 def shard_vocab_size(cfg: LanguageDataConfig) -> int:
     """The tokenizer's vocabulary size for the shards of ``cfg`` (before padding)."""
     if cfg.vocab_size is not None:
@@ -82,9 +35,11 @@ def shard_vocab_size(cfg: LanguageDataConfig) -> int:
     if info.is_file():
         prepared = json.loads(info.read_text())["settings"]
         if prepared["tokenizer"] != cfg.tokenizer:
-            raise ValueError(
-                f"task.data.tokenizer={cfg.tokenizer!r}, but {info} says the shards were written "
-                f"with {prepared['tokenizer']!r}"
+            raise ConfigError(
+                f"task.data.tokenizer={cfg.tokenizer} does not match the shards in {cfg.dir}: "
+                f"their {PROGRESS_FILE} says they were written with {prepared['tokenizer']}; "
+                f"pass task.data.tokenizer={prepared['tokenizer']}, or write the shards again "
+                f"with `muoneq data ... --tokenizer {cfg.tokenizer}`"
             )
         return prepared["vocab_size"]
     return load_tokenizer(cfg.tokenizer).n_vocab

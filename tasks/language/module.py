@@ -46,7 +46,8 @@ class LanguageModule(TaskModule):
 
     monitor = "val/loss"
     monitor_mode = "min"
-    hparam_metrics = ("val/ppl",)
+    paper_metric = "val/ppl"
+    hparam_metrics = ("val/ppl", "best_val_ppl")
 
     def __init__(self, model: CausalLM, *, seq_len: int, batch_size: int, micro_batch_size: int,
                  val_every_n_steps: int, peak_tflops: float | None = None, **kwargs):
@@ -138,9 +139,11 @@ class LanguageModule(TaskModule):
         mean = loss_sum / tokens
         if not self.trainer.sanity_checking:
             self.best_val_loss = min(self.best_val_loss, mean)
+        values = {"val/loss": mean, "val/ppl": perplexity(mean), "val/tokens": tokens}
+        if math.isfinite(self.best_val_loss):
+            values["best_val_ppl"] = perplexity(self.best_val_loss)
         # identical on every process already; sync_dist only keeps Lightning from warning
-        self.log_dict({"val/loss": mean, "val/ppl": perplexity(mean), "val/tokens": tokens},
-                      prog_bar=True, sync_dist=True)
+        self.log_dict(values, prog_bar=True, sync_dist=True)
 
     # ------------------------------------------------------------------ checkpoint and report
     def on_save_checkpoint(self, checkpoint: dict) -> None:

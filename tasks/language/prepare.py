@@ -25,7 +25,6 @@ import argparse
 import glob
 import json
 import os
-import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from muoneq.errors import UserError
 from muoneq.tasks.language.shards import ShardError, read_header, shard_name, write_shard
 from muoneq.tasks.language.tokenizer import load_tokenizer
 
@@ -388,13 +388,16 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return prepare(args)
+    except UserError:
+        raise
     except ConnectionError as err:
-        print(f"muoneq data: {err}\nNo network? Copy the dataset's files (e.g. `hf download "
-              "HuggingFaceFW/fineweb --repo-type dataset --include 'sample/100BT/*'`) and pass "
-              "them as --source files.", file=sys.stderr)
+        raise UserError(
+            f"{err}; no network? Copy the dataset's files (e.g. `hf download "
+            "HuggingFaceFW/fineweb --repo-type dataset --include 'sample/100BT/*'`) and pass "
+            "them as --source files") from err
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        print(f"muoneq data: {err}", file=sys.stderr)
-    return 1
+        # bad sources, names and values of the command line (their messages name the option)
+        raise UserError(str(err)) from err
 
 
 def prepare(args: argparse.Namespace) -> int:

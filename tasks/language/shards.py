@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from muoneq.errors import DataError, UserError
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
@@ -23,8 +25,11 @@ TOKEN_DTYPE = np.dtype("<u2")
 SPLITS = ("train", "val")
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A file that is not a valid token shard (the message names the file and the defect)."""
+
+
+PREPARE_AGAIN = "prepare the shards again with `muoneq data` (it re-writes a bad shard)"
 
 
 def shard_name(prefix: str, split: str, index: int) -> str:
@@ -58,23 +63,26 @@ def read_header(path: str | Path) -> int:
     """Validate the shard at ``path`` and return its token count (raises :class:`ShardError`)."""
     path = Path(path)
     if not path.is_file():
-        raise ShardError(f"{path}: no such shard file")
+        raise ShardError(f"{path}: no such shard file; {PREPARE_AGAIN}")
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+                         f"{PREPARE_AGAIN}")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, n_tokens = (int(v) for v in header[:3])
     if magic != MAGIC:
-        raise ShardError(f"{path}: wrong magic number {magic} (expected {MAGIC}): not a shard")
+        raise ShardError(f"{path}: wrong magic number {magic} (expected {MAGIC}), not a token "
+                         f"shard; remove it from the folder, or {PREPARE_AGAIN}")
     if version != VERSION:
         raise ShardError(
-            f"{path}: unsupported version {version} (expected {VERSION}: uint16 tokens)"
+            f"{path}: unsupported version {version} (expected {VERSION}: uint16 tokens); "
+            f"{PREPARE_AGAIN}"
         )
     expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * n_tokens
     if n_tokens < 0 or size != expected:
         raise ShardError(
             f"{path}: header promises {n_tokens} tokens ({expected} bytes) but the file has "
-            f"{size} bytes; truncated or corrupt, prepare it again"
+            f"{size} bytes, so it is truncated or corrupt; {PREPARE_AGAIN}"
         )
     return n_tokens
 
@@ -99,9 +107,10 @@ def find_shards(source: str | Path, split: str) -> list[Path]:
     else:
         files = sorted(source.parent.glob(source.name))
     if not files:
-        raise FileNotFoundError(
+        raise DataError(
             f"no {split} shards at {source} (expected files named *_{split}_000000.bin); "
-            "prepare them with `muoneq data` (make data-fineweb / make data-c4) or point "
-            "data.dir at a folder of llm.c/modded-nanogpt shards"
+            "prepare them with `muoneq data` (make data-fineweb, make data-c4, or "
+            "make train-llama-tiny TEXT=file.txt), or point task.data.dir at a folder of "
+            "llm.c/modded-nanogpt shards"
         )
     return files

@@ -28,9 +28,16 @@ import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from muoneq.errors import DataError, UserError
+
 ENDOFTEXT = "<|endoftext|>"
 #: Document separators looked up, in this order, in a Hugging Face tokenizer's vocabulary.
 SEPARATORS = (ENDOFTEXT, "</s>", "<|end_of_text|>", "<eos>")
+
+
+class TokenizerUnavailable(UserError, RuntimeError):
+    """A named tokenizer whose files cannot be fetched (offline): the message says how to give
+    them locally."""
 
 
 class ByteTokenizer:
@@ -116,11 +123,11 @@ def load_tokenizer(name: str = "gpt2", pattern: str | None = None) -> Tokenizer:
     path = Path(name).expanduser()
     if name.endswith(".json"):
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer: no such tokenizer.json file: {path}")
+            raise DataError(f"tokenizer: no such tokenizer.json file: {path}; check the path")
         return HFTokenizer(tokenizers.Tokenizer.from_file(str(path)), str(path))
     if name.endswith(".tiktoken") or path.is_file():
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer: no such .tiktoken file: {path}")
+            raise DataError(f"tokenizer: no such .tiktoken file: {path}; check the path")
         ranks = load_tiktoken_bpe(str(path))
         encoding = tiktoken.Encoding(
             path.stem,
@@ -140,10 +147,10 @@ def load_tokenizer(name: str = "gpt2", pattern: str | None = None) -> Tokenizer:
     try:
         encoding = tiktoken.get_encoding(name)
     except Exception as err:  # tiktoken raises whatever its HTTP client raises when offline
-        raise RuntimeError(
-            f"tokenizer: could not load tiktoken encoding {name!r} ({type(err).__name__}: {err}). "
-            "Offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache, or pass the "
-            "path of a local .tiktoken file instead of the name."
+        raise TokenizerUnavailable(
+            f"tokenizer: could not load tiktoken encoding {name!r} ({type(err).__name__}: {err}); "
+            "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache, or pass the "
+            "path of a local .tiktoken file instead of the name"
         ) from err
     return TiktokenTokenizer(encoding, name)
 
@@ -155,9 +162,9 @@ def _from_hub(repo: str) -> HFTokenizer:
     try:
         tokenizer = tokenizers.Tokenizer.from_pretrained(repo)
     except Exception as err:  # the hub client raises its own HTTP and offline errors
-        raise RuntimeError(
+        raise TokenizerUnavailable(
             f"tokenizer: could not load the tokenizer.json of {repo!r} from the Hugging Face Hub "
-            f"({type(err).__name__}: {err}). Offline, download that file elsewhere and pass its "
-            "path instead (a name ending in .json)."
+            f"({type(err).__name__}: {err}); offline, download that file elsewhere and pass its "
+            "path instead (a name ending in .json)"
         ) from err
     return HFTokenizer(tokenizer, f"hf:{repo}")

@@ -32,42 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from muoneq.errors import DataError, UserError
 from muoneq.runtime import TaskDataModule
+from muoneq.tasks.vision.config import Cifar10DataConfig
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-
-
-@dataclass
-class Cifar10DataConfig:
-    #: A folder (torchvision layout, or holding cifar10.npz) or a .npz file.
-    root: str = "data/cifar10"
-    #: Let torchvision download the python version into ``root`` when it is missing.
-    download: bool = True
-    #: Global batch size (split evenly across processes).
-    batch_size: int = 128
-    eval_batch_size: int = 1000
-    num_workers: int = 0
-    augment: bool = True
-    augment_on_device: bool = False
-    #: Train on the first N training images only (None: all).
-    train_subset: int | None = None
-    #: Hold out the last N training images for validation; 0: validate on the test set.
-    val_size: int = 0
-    drop_last: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "eval_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"task.data.{key}: must be ≥ 1, got {getattr(self, key)}")
-        if self.num_workers < 0 or self.val_size < 0:
-            raise ValueError("task.data.num_workers / task.data.val_size: must be ≥ 0")
-        if self.train_subset is not None and self.train_subset < 1:
-            raise ValueError(
-                f"task.data.train_subset: must be ≥ 1 or null, got {self.train_subset}"
-            )
 
 
 @dataclass
@@ -81,37 +53,43 @@ class Cifar10Arrays:
 
 
 def missing_data_message(root: Path, reason: str = "") -> str:
+    """One line: where CIFAR-10 was looked for, then the three ways to provide it."""
     return (
-        f"CIFAR-10 not found at task.data.root={root}{f' ({reason})' if reason else ''}. "
-        "Do one of:\n"
-        f"  * download it: task.data.download=true with network access (torchvision fetches "
-        f"{CIFAR10_URL} into {root});\n"
-        f"  * offline: copy cifar-10-python.tar.gz into {root}/ and keep task.data.download=true "
-        f"(torchvision checks its md5 and extracts it), or extract it yourself so that "
-        f"{root}/cifar-10-batches-py/ holds data_batch_1 … data_batch_5, test_batch and "
-        "batches.meta;\n"
-        "  * point task.data.root at a numpy archive (.npz) with arrays x_train (N,32,32,3) "
-        "uint8, y_train (N,), x_test, y_test."
+        f"CIFAR-10 not found at task.data.root={root}{f' ({reason})' if reason else ''}; "
+        f"download it with task.data.download=true on a machine with network access "
+        f"(torchvision fetches {CIFAR10_URL}), or offline copy cifar-10-python.tar.gz into "
+        f"{root}/ (keep task.data.download=true: it is md5-checked and extracted) or extract it "
+        f"so that {root}/cifar-10-batches-py/ holds data_batch_1 … data_batch_5, test_batch and "
+        "batches.meta, or point task.data.root at an .npz with arrays x_train (N,32,32,3) "
+        "uint8, y_train, x_test, y_test"
     )
+
+
+class Cifar10FormatError(UserError, ValueError):
+    """An archive whose arrays are not CIFAR-10's (the message names the array)."""
+
+
+def _bad(path: Path, text: str) -> Cifar10FormatError:
+    return Cifar10FormatError(f"{path}: {text}; save the archive with x_train, x_test as uint8 "
+                              "(N,32,32,3) or (N,3,32,32) and y_train, y_test as labels 0..9")
 
 
 def _images(array: np.ndarray, key: str, path: Path) -> torch.Tensor:
     if array.dtype != np.uint8 or array.ndim != 4:
-        raise ValueError(f"{path}: {key} must be uint8 images, got {array.dtype} {array.shape}")
+        raise _bad(path, f"{key} must be uint8 images, got {array.dtype} {array.shape}")
     if array.shape[1:] == (32, 32, 3):
         array = array.transpose(0, 3, 1, 2)
     elif array.shape[1:] != (3, 32, 32):
-        raise ValueError(f"{path}: {key} must be (N,32,32,3) or (N,3,32,32), got {array.shape}")
+        raise _bad(path, f"{key} must be (N,32,32,3) or (N,3,32,32), got {array.shape}")
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _labels(array: np.ndarray, key: str, path: Path, count: int) -> torch.Tensor:
     if array.ndim != 1 or len(array) != count or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"{path}: {key} must be {count} integer labels, got {array.dtype} {array.shape}"
-        )
+        raise _bad(path, f"{key} must be {count} integer labels, got {array.dtype} "
+                         f"{array.shape}")
     if len(array) and (array.min() < 0 or array.max() > 9):
-        raise ValueError(f"{path}: {key} must hold labels 0..9, got {array.min()}..{array.max()}")
+        raise _bad(path, f"{key} must hold labels 0..9, got {array.min()}..{array.max()}")
     return torch.from_numpy(array.astype(np.int64))
 
 
@@ -119,10 +97,7 @@ def load_npz(path: Path) -> Cifar10Arrays:
     with np.load(path, allow_pickle=False) as archive:
         missing = [k for k in NPZ_KEYS if k not in archive.files]
         if missing:
-            raise ValueError(
-                f"{path}: missing array(s) {missing}; a CIFAR-10 archive needs {list(NPZ_KEYS)} "
-                f"(found {archive.files})"
-            )
+            raise _bad(path, f"missing array(s) {missing} (found {archive.files})")
         x_train = _images(archive["x_train"], "x_train", path)
         x_test = _images(archive["x_test"], "x_test", path)
         y_train = _labels(archive["y_train"], "y_train", path, len(x_train))
@@ -138,9 +113,9 @@ def load_torchvision(root: Path, download: bool) -> Cifar10Arrays:
         try:
             dataset = CIFAR10(str(root), train=train, download=download)
         except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
-            raise FileNotFoundError(missing_data_message(root, str(err))) from None
+            raise DataError(missing_data_message(root, str(err))) from None
         except OSError as err:  # no network, DNS failure, ...
-            raise FileNotFoundError(missing_data_message(root, f"download failed: {err}")) from None
+            raise DataError(missing_data_message(root, f"download failed: {err}")) from None
         parts.append(_images(dataset.data, "data", root))
         parts.append(torch.tensor(dataset.targets, dtype=torch.int64))
     return Cifar10Arrays(*parts)
@@ -151,7 +126,7 @@ def load_cifar10(root: str | Path, *, download: bool = False) -> Cifar10Arrays:
     root = Path(root).expanduser()
     if root.suffix == ".npz":
         if not root.is_file():
-            raise FileNotFoundError(missing_data_message(root, "no such file"))
+            raise DataError(missing_data_message(root, "no such file"))
         return load_npz(root)
     if (root / "cifar-10-batches-py").is_dir():
         return load_torchvision(root, download=False)
@@ -159,7 +134,7 @@ def load_cifar10(root: str | Path, *, download: bool = False) -> Cifar10Arrays:
         return load_npz(root / "cifar10.npz")
     if download:
         return load_torchvision(root, download=True)
-    raise FileNotFoundError(missing_data_message(root))
+    raise DataError(missing_data_message(root))
 
 
 def needs_download(root: str | Path) -> bool:

@@ -1,0 +1,84 @@
+"""Check a sweep before it launches anything (and before its study is created).
+
+When the launch command runs ``muoneq train``, every point's training config is composed and
+type-checked exactly as that command will (:func:`muoneq.runtime.config.compose`, without
+training), and the first bad point stops the sweep with its key and the config error. Run
+folders that already hold a run (a ``config.yaml``) are compared with the config their point
+gives now: a changed experiment file or override never reuses, or continues, a run made with
+other settings. For an open (TPE) search, every search parameter is checked at its low and high
+bounds (every choice of a categorical one), with the others at their low bound or first choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from muoneq.errors import UserError
+from muoneq.sweeps.spec import Point, SweepError, SweepSpec
+
+#: the words that start the training command in a trial's argv (``… -m muoneq train …``)
+TRAIN_COMMAND = ("muoneq", "train")
+
+
+def training_args(argv: Sequence[str]) -> list[str] | None:
+    """The ``muoneq train`` arguments of a trial's command, or None when it runs something
+    else (the sweep can then check nothing before launching)."""
+    for i in range(1, len(argv)):
+        if (Path(argv[i - 1]).name, argv[i]) == TRAIN_COMMAND:
+            return [a for a in argv[i + 1:] if not a.startswith("--")]
+    return None
+
+
+def search_points(spec: SweepSpec) -> Iterator[Point]:
+    params = spec.search.params
+    first = {n: p.choices[0] if p.type == "categorical" else p.low for n, p in params.items()}
+    seen = set()
+    for name, p in params.items():
+        values = p.choices if p.type == "categorical" else [p.low, p.high]
+        for value in values:
+            if p.type == "int":
+                value = int(value)
+            point = Point(tuple((n, value if n == name else first[n]) for n in params))
+            if point.key not in seen:
+                seen.add(point.key)
+                yield point
+
+
+def check_trials(spec: SweepSpec, study_dir: Path) -> int:
+    """Compose the training config of every point (grid) or of the search's bounds (TPE) and
+    compare existing run folders with it; raise :class:`SweepError` at the first problem.
+    Returns the number of configs composed (0 when the launch command does not run
+    ``muoneq train``)."""
+    from muoneq.runtime import record
+    from muoneq.runtime.config import compose
+    from muoneq.sweeps.driver import trial_command
+
+    points = spec.points() if spec.is_grid else list(search_points(spec))
+    cache: dict = {}
+    composed = 0
+    for point in points:
+        for i, seed in enumerate(spec.seeds):
+            run_dir = point.run_dir(study_dir, seed)
+            saved = record.read_record(run_dir)
+            if i and saved is None:
+                continue  # one seed is enough to type-check a point
+            argv, _, _ = trial_command(spec, point, seed, run_dir)
+            args = training_args(argv)
+            if args is None:
+                return 0
+            try:
+                cfg = compose(args, cache=cache)
+            except UserError as err:
+                raise SweepError(
+                    f"point {point.key!r} (seed {seed}) is not a valid training config: {err}; "
+                    "fix the sweep's overrides or grid (--dry-run checks every point)") from None
+            composed += 1
+            changed = [] if saved is None else record.changed_settings(saved, cfg)
+            if changed:
+                raise SweepError(
+                    f"{run_dir} holds a run of point {point.key!r} (seed {seed}) made with other "
+                    "settings, which this sweep would reuse or continue; restore the experiment "
+                    f"file or overrides it was run with, give the study another name (--set "
+                    f"study=NAME), or delete that run folder", details=changed)
+    return composed

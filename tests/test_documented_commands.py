@@ -1,0 +1,405 @@
+"""Every documented command, as written.
+
+* Each Makefile target that can run on a CPU runs through ``make`` itself; only its documented
+  knobs (``ARGS=``, ``OUT=``, ``QUICK=``, ``TEXT=``, ``STUDY=``) shorten it.
+* Every shell command of the README is parsed from the README and classified in
+  :data:`README_COMMANDS` (a new command fails :func:`test_every_readme_command_is_classified`
+  until it is): run as written in a fresh folder (shortened only by documented options where the
+  real run takes hours), run as written expecting the one-line error a CPU-only offline machine
+  must give, covered by a ``make`` or launcher test here, or skipped with the reason.
+* The README's multi-node launches run on loopback: two ``torchrun`` launchers (c10d rendezvous,
+  gloo, a tiny LLaMA, ``trainer.num_nodes=2``), and two processes with the variables ``srun``
+  sets; both must end with the weights one process reaches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import yaml
+from language_helpers import make_documents, write_corpus
+from report_helpers import add_trial
+from runtime_helpers import TINY_RUNS, tiny_cifar10
+
+from muoneq.cli import main
+from muoneq.runtime import compose, train
+from muoneq.runtime.run import find_resume_checkpoint
+from muoneq.sweeps import load_sweep
+from muoneq.sweeps.storage import open_storage
+
+REPO = Path(__file__).resolve().parents[1]
+SWEEPS = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def tiktoken_cache() -> str:
+    """tiktoken's cache holding GPT-2's BPE (the shared data folder beside the checkout, as on
+    CI), or skip: these commands need the real GPT-2 tokenizer, which cannot be made up."""
+    for candidate in (os.environ.get("TIKTOKEN_CACHE_DIR"),
+                      REPO.parent / "shared" / "data" / "tiktoken-cache"):
+        if candidate and Path(candidate).is_dir() and any(Path(candidate).iterdir()):
+            return str(candidate)
+    pytest.skip("needs tiktoken's gpt2 files offline: set TIKTOKEN_CACHE_DIR")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables a test run may have inherited."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
+            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def make(*args: str, env: dict | None = None, timeout: int = 300):
+    return subprocess.run(["make", "-s", "-C", str(REPO), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env or clean_env())
+
+
+def one_line_error(err: str) -> str:
+    """The error line of ``muoneq`` (after any progress output), checked to be the only one."""
+    lines = [line for line in err.splitlines() if line.startswith("muoneq: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def tiny_cifar_args(tmp_path: Path) -> list[str]:
+    """The tiny CIFAR run of the runtime tests, with the recipe's own trainer."""
+    return [a for a in tiny_cifar10(tmp_path) if a != "trainer=cpu"] + ["trainer.max_epochs=1"]
+
+
+# ------------------------------------------------------------------------------ make targets
+@pytest.mark.slow
+def test_make_train_llama_tiny(tmp_path):
+    env = clean_env(TIKTOKEN_CACHE_DIR=tiktoken_cache())
+    text = write_corpus(tmp_path, "txt", make_documents(4000))  # ~40k GPT-2 tokens
+    done = make("train-llama-tiny", f"TEXT={text}", f"OUT={tmp_path / 'shards'}",
+                "ARGS=trainer.max_steps=2 task.val_every_n_steps=2 task.data.val_tokens=256 "
+                f"task.data.batch_size=8 schedule.warmup_steps=1 run.dir={tmp_path / 'run'}",
+                env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"muoneq train: finished {tmp_path / 'run'}: val/ppl=" in done.stdout
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["task"]["data"]["tokenizer"] == "gpt2"  # what `muoneq data` wrote
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 2
+    missing = make("train-llama-tiny")
+    assert missing.returncode == 2
+    assert one_line_error(missing.stderr).startswith("muoneq: no text given; pass TEXT=")
+
+
+@pytest.mark.slow
+def test_make_train_cifar10(tmp_path):
+    run = tmp_path / "run"
+    done = make("train-cifar10", "OPT=sgd", "SEED=1",
+                "ARGS=" + " ".join([*tiny_cifar_args(tmp_path), f"run.dir={run}"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"muoneq train: finished {run}: test/acc=" in done.stdout
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert (config["optimizer"]["name"], config["seed"]) == ("sgd", 1)
+    assert config["optimizer"]["lr"] == 0.05  # the recipe's (Table 7) SGD learning rate
+
+
+@pytest.mark.slow
+def test_make_figure_ns_geometry_quick(tmp_path):
+    done = make("figure-ns-geometry", "QUICK=1",
+                f"ARGS=--sizes 16x16,16x48 --seeds 1 --out {tmp_path / 'ns'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = sorted(p.name for p in (tmp_path / "ns" / "figures").glob("*.png"))
+    assert figures == ["decomposition_rotation.png", "decomposition_scale.png",
+                       "fig1_rotation.png", "fig1_scale.png", "theorem_bound.png"]
+
+
+@pytest.mark.slow
+def test_make_bench_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())["quick"] is True
+
+
+@pytest.mark.slow
+def test_make_report(tmp_path):
+    sweep = {"study": "mini", "experiment": "cifar10_resnet18", "seeds": [0],
+             "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.05]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    (tmp_path / "mini.yaml").write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(tmp_path / "mini.yaml")
+    study_dir = tmp_path / "runs" / "mini"
+    study = optuna.create_study(study_name="mini", storage=open_storage(None, study_dir),
+                                direction="maximize")
+    from muoneq.sweeps.spec import spec_to_dict
+
+    study.set_user_attr("spec", spec_to_dict(spec))
+    for i, p in enumerate(spec.points()):
+        add_trial(study, (p.as_dict(), p.key), 0, 0.9 + 0.01 * i)
+    done = make("report", f"STUDY={study_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
+
+
+@pytest.mark.slow
+def test_make_sweep_targets_dry_run_compose_every_point(tmp_path):
+    """Each paper study's target, as documented with ARGS=--dry-run: every point's training
+    config composes, and the report step is left out."""
+    done = make("-j2", *SWEEPS, f"ARGS=--dry-run --runs-dir {tmp_path}", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in SWEEPS:
+        spec = load_sweep(REPO / "sweeps" / f"{name}.yaml")
+        points = len(spec.points())
+        assert f"study {name}: {points} points × {len(spec.seeds)} seeds" in done.stdout
+    checked = re.findall(r"checked: (\d+) training configs compose", done.stdout)
+    assert sorted(map(int, checked)) == sorted(
+        len(load_sweep(REPO / "sweeps" / f"{n}.yaml").points()) for n in SWEEPS)
+    assert "written to" not in done.stdout and not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- README commands
+@dataclass
+class Doc:
+    """How a README command is exercised."""
+
+    kind: str  #: run | cpu_error | make | launch | skip
+    detail: str = ""  #: expected output (run), error text (cpu_error), or the reason
+    shorten: list[str] = field(default_factory=list)  #: documented options that shorten a run
+    setup: str = ""  #: name of the files the command expects in its folder
+
+
+MAKE_TEST = "a test of this module runs this target through make"
+README_COMMANDS: dict[str, Doc] = {
+    "make demo": Doc("skip", "the main job itself (~9 min on 2 cores), run by hand"),
+    "make test": Doc("skip", "this suite"),
+    "muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 seed=1":
+        Doc("run", "muoneq train: finished runs/cifar10_resnet18-muoneq_nes-seed1-",
+            shorten=["<tiny cifar>"]),
+    "python -m muoneq train ...": Doc("skip", "the line above, through python -m"),
+    "muoneq train --help": Doc("run", "experiment cifar10_resnet18"),
+    "muoneq train experiment=cifar10_resnet18 trainer=gpu":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=cifar10_resnet18 trainer=ddp trainer.devices=4":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=llama350m_c4 trainer=fsdp2 trainer.devices=8":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 -m "
+    "muoneq train experiment=llama130m_c4 trainer=ddp trainer.devices=4 trainer.num_nodes=2":
+        Doc("launch", "test_torchrun_on_two_nodes_ends_where_one_process_does"),
+    "srun python -m muoneq train experiment=llama130m_c4 trainer=ddp trainer.devices=4 "
+    "trainer.num_nodes=2": Doc("launch", "test_slurm_tasks_end_where_one_process_does"),
+    "torchrun --nproc-per-node=8 -m muoneq train experiment=llama130m_c4 trainer=npu "
+    "trainer.devices=8": Doc("cpu_error", "torch_npu (and the CANN toolkit), which is not "
+                                          "installed; install"),
+    "make train-cifar10 OPT=muoneq_nes SEED=1 ARGS=optimizer.mode=RC trainer=ddp "
+    "trainer.devices=4": Doc("make", MAKE_TEST),
+    "make data-fineweb TOKENS=10.5B OUT=data/fineweb": Doc("skip", "downloads FineWeb"),
+    "make data-c4 TOKENS=21B OUT=data/c4": Doc("skip", "downloads C4 and T5's tokenizer"),
+    "muoneq data --source corpus/*.parquet --out data/mine --tokens 1B --workers 8":
+        Doc("run", "data/mine: val ", shorten=["--val-tokens", "2000"], setup="parquet"),
+    "muoneq data --source train.jsonl.gz --val-source val.jsonl --out data/mine":
+        Doc("run", "data/mine: val ", shorten=["--val-tokens", "2000"], setup="jsonl"),
+    "muoneq train experiment=gpt2_small_fineweb task.data.dir=/data/fineweb10B "
+    "optimizer=muoneq_nes trainer.devices=8":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=llama130m_c4 optimizer=muoneq_nes task.data.dir=data/c4":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=gpt2_small_fineweb optimizer=muoneq_nes optimizer.mode=RC":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "make train-llama-tiny TEXT=path/to/tinyshakespeare.txt": Doc("make", MAKE_TEST),
+    "make figure-ns-geometry QUICK=1": Doc("make", MAKE_TEST),
+    "make figure-ns-geometry": Doc("skip", "the paper's sizes: GPU or many cores (QUICK=1 runs "
+                                           "the same code)"),
+    "muoneq spectra --sizes 64x256 --kappas 10,1e3 --ranges 100 --seeds 3 --out runs/mine":
+        Doc("run", "figures:"),
+    "muoneq train experiment=gpt2_small_fineweb optimizer=muon_nes spectra.enabled=true "
+    "spectra.modules=['model.blocks.[0-3].*'] spectra.fractions=[0.01,0.1,0.5,1.0]":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "make ablation-cifar10 ARGS=--dry-run": Doc("make", MAKE_TEST),
+    "muoneq sweep sweeps/ablation-cifar10.yaml --workers 4 --set launch.devices_per_trial=1":
+        Doc("cpu_error", "--workers 4 × launch.devices_per_trial 1 needs 4 devices, found 0"),
+    "muoneq sweep sweeps/ablation-cifar10.yaml --status":
+        Doc("run", "study ablation-cifar10 (journal:runs/ablation-cifar10/optuna.journal): "
+                   "0/99 runs done"),
+    "make bench": Doc("skip", "minutes on a CPU (QUICK=1 runs the same code through make)"),
+    "muoneq bench --sets gpt2_small": Doc("skip", "minutes on a CPU (the smoke run of the same "
+                                                  "code is tested through make)"),
+}
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The commands of the README's ``bash`` blocks (continuations joined, comments dropped):
+    their words (as the shell passes them) by their words joined with single spaces."""
+    text = (REPO / "README.md").read_text()
+    commands = {}
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands[" ".join(words)] = words
+    return commands
+
+
+def test_every_readme_command_is_classified():
+    assert sorted(readme_commands()) == sorted(README_COMMANDS)
+    names = {n for n in globals() if n.startswith("test_")}
+    for doc in README_COMMANDS.values():
+        assert doc.kind in ("run", "cpu_error", "make", "launch", "skip")
+        if doc.kind == "launch":
+            assert doc.detail in names
+
+
+def _setup_files(kind: str, folder: Path) -> None:
+    if kind == "parquet":
+        (folder / "corpus").mkdir()
+        for i in range(2):
+            write_corpus(folder / "corpus", "parquet", make_documents(150, seed=i), f"part{i}")
+    elif kind == "jsonl":
+        write_corpus(folder, "json.gz", make_documents(300), "train")
+        (folder / "train.json.gz").rename(folder / "train.jsonl.gz")
+        write_corpus(folder, "jsonl", make_documents(150, seed=5), "val")
+
+
+@pytest.mark.parametrize("command", [c for c, d in README_COMMANDS.items()
+                                     if d.kind in ("run", "cpu_error")])
+def test_readme_command_runs_as_written(command, tmp_path, monkeypatch, capsys):
+    """In a fresh folder beside the checkout's sweeps/, in this process (``muoneq`` is
+    ``muoneq.cli:main``; a launcher line runs the command it launches)."""
+    doc = README_COMMANDS[command]
+    words = readme_commands()[command]
+    if words[0] == "torchrun":  # the command torchrun starts on each process
+        words = words[words.index("-m") + 1:]
+    argv = words[3:] if words[:3] == ["python", "-m", "muoneq"] else words[1:]
+    assert words[0] in ("muoneq", "python", "torchrun"), command
+    if doc.kind == "cpu_error" and torch.cuda.is_available():
+        pytest.skip("a GPU machine: these commands would start real training")
+    if "<tiny cifar>" in doc.shorten:
+        doc = Doc(doc.kind, doc.detail, tiny_cifar_args(tmp_path))
+    if "gpt2" in command or doc.setup or words[1] == "data":
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", tiktoken_cache())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweeps").symlink_to(REPO / "sweeps")
+    _setup_files(doc.setup, tmp_path)
+    code = main([*argv, *doc.shorten])
+    out, err = capsys.readouterr()
+    if doc.kind == "cpu_error":
+        assert code == 2, (out + err)[-3000:]
+        assert doc.detail in one_line_error(err)
+    else:
+        assert code == 0, (out + err)[-3000:]
+        assert doc.detail in out
+
+
+# ------------------------------------------------------------------------- multi-node launches
+def language_args(tmp_path: Path) -> list[str]:
+    """The recipe's overrides for a 3-step run of a tiny LLaMA on tiny shards, on the CPU."""
+    tiny = [a for a in TINY_RUNS["language"](tmp_path) if a != "trainer=cpu"]
+    return ["experiment=llama130m_c4", *tiny, "trainer.accelerator=cpu",
+            "trainer.precision=32-true", "trainer.max_steps=3", "task.val_every_n_steps=3",
+            "trainer.checkpoint_every_n_steps=3", "schedule.warmup_steps=1",
+            "optimizer.ns_dtype=float32", "trainer.progress=quiet"]
+
+
+def final_weights(run_dir: Path) -> dict:
+    checkpoint = find_resume_checkpoint(run_dir)
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: the same run in one process (``trainer=cpu``)."""
+    tmp = tmp_path_factory.mktemp("one")
+    args = language_args(tmp)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(compose([*args, "trainer=cpu", f"run.dir={tmp / 'run'}"]))
+    finally:
+        torch.set_num_threads(threads)
+    return args, final_weights(tmp / "run")
+
+
+def assert_same_weights(run_dir: Path, reference: dict) -> None:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_step"] == 3
+    weights = final_weights(run_dir)
+    assert weights.keys() == reference.keys()
+    for name in reference:  # the global batch is split, so reductions differ in rounding only
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+def free_port(low: int = 20000, high: int = 60000) -> int:
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: int = 300) -> None:
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_on_two_nodes_ends_where_one_process_does(one_process, tmp_path):
+    """The README's torchrun line, one process per "node", both nodes on this machine."""
+    args, reference = one_process
+    torchrun = Path(sys.executable).with_name("torchrun")
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={endpoint}", "-m", "muoneq", "train", "trainer=ddp",
+               "trainer.devices=1", "trainer.num_nodes=2", *args, f"run.dir={tmp_path / 'run'}"]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=clean_env()) for _ in range(2)]
+    wait_all(procs)
+    assert_same_weights(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypatch, capsys):
+    """The README's srun line: two tasks on two "nodes" with the variables srun sets (the
+    port comes from the job id, as Lightning derives it)."""
+    args, reference = one_process
+    port = free_port(15000, 19999)
+    slurm = {"SLURM_JOB_ID": f"7{port - 15000:04d}", "SLURM_JOB_NAME": "muoneq",
+             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2",
+             "SLURM_NODELIST": "127.0.0.1", "SLURM_LOCALID": "0"}
+    command = [sys.executable, "-m", "muoneq", "train", "trainer=ddp", "trainer.devices=1",
+               "trainer.num_nodes=2", *args, f"run.dir={tmp_path / 'run'}"]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=clean_env(**slurm, SLURM_PROCID=str(rank),
+                                                       SLURM_NODEID=str(rank)))
+             for rank in range(2)]
+    wait_all(procs)
+    assert_same_weights(tmp_path / "run", reference)
+    # trainer.devices must match --ntasks-per-node: the README's 4 against 1 task per node
+    for key, value in {**slurm, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2", *args,
+                 f"run.dir={tmp_path / 'bad'}"])
+    assert code == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "`--ntasks-per-node=1` does not match" in line and "trainer.devices (4)" in line
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
