@@ -32,9 +32,11 @@ quick sets, no ``torch.compile``): its figures are smoke values, used by the tes
 hours there.
 
 Output: ``<out>/<device-slug>.json`` (``<device-slug>-quick.json`` with ``--quick``; a failed
-part keeps its one-line error and traceback there) and a Markdown summary beside it. Parts not
-run this time (``--parts``) are kept from an earlier file of the same name, each with its own
-date and commit, so a check split over two machine sessions ends in one file.
+part keeps its one-line error and traceback there, a part cut short by a kill stays
+``started``) and a Markdown summary beside it. Parts not run this time (``--parts``) are kept
+from an earlier file of the same name, each with its own date and commit, so a check split over
+two machine sessions ends in one file. A copy of the checkout without ``.git`` (a lent machine)
+takes its commit from ``$MUONEQ_GIT_COMMIT``.
 """
 
 from __future__ import annotations
@@ -123,10 +125,11 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
 
 
 def mfu_peak(check: Check) -> dict:
-    """The peak MFU is measured against: the datasheet's dense bf16 peak for a known GPU,
-    else a matmul rate measured here in the training dtype; the measured rate is always kept."""
+    """The peak that MFU is measured against: the dense bf16 datasheet peak of a GPU the
+    language task knows, else a matmul rate measured here in the training dtype (the measured
+    rate is kept either way)."""
     dtype = torch.bfloat16 if check.precision.startswith("bf16") else torch.float32
-    n = 1024 if check.quick else (8192 if check.device.type == "cuda" else 2048)
+    n = 8192 if check.device.type == "cuda" else 1024
     measured = matmul_tflops(check.device, dtype, n)
     what = f"{str(dtype).removeprefix('torch.')} {n}×{n} matmul measured here"
     datasheet = device_peak_tflops(check.device)
@@ -330,17 +333,13 @@ def part_gpt2(check: Check) -> dict:
             "val_loss": finite(metrics, "val/loss"), "parameters": metrics["parameters"],
             "flops_per_token": metrics["flops_per_token"],
         }
-    done = {k: r for k, r in runs.items() if r["status"] == "ok"}
-    if not done:
-        return {"status": "failed", "error": "; ".join(f"{k}: {r['error']}"
-                                                      for k, r in runs.items()
-                                                      if r["status"] == "failed"),
-                "settings": settings, "runs": runs}
-    fastest = min(done, key=lambda k: done[k]["step_s"])
+    done = [k for k, r in runs.items() if r["status"] == "ok"]
     failed = [k for k, r in runs.items() if r["status"] == "failed"]
-    return {"status": "failed" if failed else "ok", "settings": settings, "runs": runs,
-            "fastest": fastest,
-            **({"error": f"{', '.join(failed)} run failed"} if failed else {})}
+    result = {"status": "failed" if failed else "ok", "settings": settings, "runs": runs,
+              "fastest": min(done, key=lambda k: runs[k]["step_s"]) if done else None}
+    if failed:
+        result["error"] = "; ".join(f"{k}: {runs[k]['error']}" for k in failed)
+    return result
 
 
 def write_cifar_npz(path: Path, n_train: int, n_test: int) -> Path:
@@ -651,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     kept = earlier_parts(path, name, args.quick, parts)
     copy_to = Path(args.copy_to) if args.copy_to else None
     base = provenance()
+    # a copy of the checkout without .git (a lent machine) names its commit in the environment
+    base["git_commit"] = base["git_commit"] or os.environ.get("MUONEQ_GIT_COMMIT")
     record = {
         "device": name, "device_slug": slug(name), "device_type": device.type,
         "device_label": device_label(device), "quick": args.quick,
@@ -668,14 +669,18 @@ def main(argv: list[str] | None = None) -> int:
             check = Check(device, args.quick, Path(scratch) / part)
             check.work.mkdir()
             started = time.perf_counter()
+            stamp = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                     "git_commit": base["git_commit"]}
+            # what a kill or a crash of the process leaves in the file
+            record["parts"][part] = {"status": "started", "reason": "did not finish (the "
+                                     "process was killed or crashed)", "seconds": 0.0, **stamp}
+            write_results(path, record, copy_to)
             try:
                 result = PARTS[part](check)
             except Exception as err:  # recorded; the remaining parts still run
                 traceback.print_exc()
                 result = failure(err)
-            result.update(seconds=time.perf_counter() - started,
-                          date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          git_commit=base["git_commit"])
+            result.update(seconds=time.perf_counter() - started, **stamp)
             record["parts"][part] = result
             shutil.rmtree(check.work, ignore_errors=True)
             gc.collect()

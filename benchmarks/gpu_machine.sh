@@ -8,7 +8,8 @@
 # the versions installed in this checkout's .venv (the set the test suite ran), into .whl/.
 # `check` installs them into $SITE (on PYTHONPATH), installs this checkout with
 # `pip install --no-deps -e .` and runs `muoneq gpu-check`; with $OUT set (the device tool's
-# output folder) the results file and its summary are copied there after every part.
+# output folder) the results file and its summary are copied there after every part; a copy
+# of the checkout without .git names its commit with MUONEQ_GIT_COMMIT=<hash>.
 #
 # The image has Python 3.12, torch, torchvision, lightning, torchmetrics, tensorboard, tiktoken,
 # tokenizers, matplotlib, triton, numpy, PyYAML, tqdm, MarkupSafe, pytest, hypothesis, pyarrow,

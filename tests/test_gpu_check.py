@@ -214,3 +214,41 @@ def test_parts_not_rerun_are_kept_from_the_same_device_and_mode(tmp_path):
 def test_device_slug_is_a_file_name():
     assert gpu_check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_check.slug("Intel(R) Xeon(R) Platinum 8480+") == "intel-r-xeon-r-platinum-8480"
+
+
+def test_a_failed_part_is_recorded_the_next_runs_and_a_killed_one_stays_started(
+        tmp_path, monkeypatch, capsys):
+    def broken(check):
+        raise RuntimeError("no kernel image is available\nfor execution on the device")
+
+    def killed(check):
+        raise KeyboardInterrupt
+
+    def skipped(check):
+        return {"status": "skipped", "reason": "stand-in"}
+
+    parts = {"tests": broken, "bench": skipped, "gpt2": killed}
+    monkeypatch.setattr(gpu_check, "PARTS", parts)
+    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([*argv, "--parts", "tests,bench,gpt2"])
+    record = cpu_results(tmp_path)
+    assert record["parts"]["tests"]["status"] == "failed"
+    assert record["parts"]["tests"]["error"] == (
+        "RuntimeError: no kernel image is available for execution on the device")
+    assert "Traceback" in record["parts"]["tests"]["traceback"]
+    assert record["parts"]["bench"]["status"] == "skipped"
+    assert record["parts"]["gpt2"]["status"] == "started"
+    summary = (tmp_path / f"{record['device_slug']}-quick.md").read_text()
+    assert "| gpt2 | started: did not finish (the process was killed or crashed) |" in summary
+
+    # a run of some parts keeps the others; its exit status is that of the parts it ran
+    monkeypatch.setattr(gpu_check, "PARTS", {**parts, "gpt2": skipped})
+    assert gpu_check.main([*argv, "--parts", "gpt2"]) == 0
+    record = cpu_results(tmp_path)
+    assert {k: p["status"] for k, p in record["parts"].items()} == {
+        "tests": "failed", "bench": "skipped", "gpt2": "skipped"}
+    capsys.readouterr()
+    assert gpu_check.main([*argv, "--parts", "tests"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "muoneq gpu-check: failed parts: tests (see above and ")
