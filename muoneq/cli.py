@@ -17,8 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "gpu-check": (
         "muoneq.benchmarks.gpu_check",
-        "check every GPU path (gpu tests, bench, GPT2-small, ResNet-18, LLaMA-1B FSDP2) and "
-        "record it in benchmarks/results/<device>.json",
+        "check every GPU path and record it in benchmarks/results/<device>.json",
     ),
     "data": (
         "muoneq.tasks.language.prepare",
