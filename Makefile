@@ -57,6 +57,15 @@ figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/R
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
 	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
 
+# The GPU check (README "GPU check"): on a lent GPU machine without a registry, carry the wheels
+# of `make gpu-wheels` (.whl/) and run `bash benchmarks/gpu_machine.sh check` there.
+.PHONY: gpu-check gpu-wheels
+gpu-check: $(STAMP) ## gpu tests, bench, GPT2/ResNet/LLaMA-FSDP2 runs -> benchmarks/results/<device>.json (DEVICE=cpu QUICK=1: smoke run; OUT=)
+	$(PY) -m muoneq gpu-check $(if $(DEVICE),--device $(DEVICE)) $(if $(QUICK),--quick) $(if $(OUT),--out $(OUT)) $(ARGS)
+
+gpu-wheels: $(STAMP) ## download the py3.12 wheels a bare GPU machine lacks (omegaconf, optuna, ...) -> .whl/
+	PYTHON=$(PY) bash benchmarks/gpu_machine.sh wheels
+
 # Paper studies (`muoneq sweep`, then `muoneq report`): WORKERS= trials at once on this machine
 # (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each), STORAGE= a shared
 # study (postgresql://user@host:port/db) for workers on many machines, ARGS= more sweep flags

@@ -18,8 +18,10 @@ load from other processes hits all of them alike. Reported per contender:
   Gaussian input and one whose singular values decay from 1 to 1e-3; ``x_torch_*``: the
   same figure over ``torch.optim.Muon``'s, worst over shapes (the accuracy rule: ≤ 1.5).
 
-The table is printed as Markdown and written as JSON with the device name. ``--quick`` runs
-miniature sets (CI smoke test); the full run takes a few minutes on a 2-core CPU.
+The table is printed as Markdown and written as JSON with the device name (and, on a CPU,
+torch's thread count). ``--quick`` runs miniature sets: its timings are smoke values (CI checks
+that every path runs), and the output says so; the full run takes a few minutes on a 2-core
+CPU.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ ACCURACY_RULE = 1.5
 # ----------------------------------------------------------------------------- matrix sets
 def gpt2_small(quick: bool) -> list[tuple[int, ...]]:
     """Per block: attention ``c_attn`` (3d×d), ``c_proj`` (d×d), MLP ``c_fc`` (4d×d), ``c_proj``
-    (d×4d); d = 768, 12 blocks (quick: d = 96, 2 blocks)."""
+    (d×4d); d = 768, 12 blocks (quick: d = 64, 2 blocks)."""
     d, layers = (64, 2) if quick else (768, 12)
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
 
@@ -343,33 +345,63 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (thread counts are reported apart)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def device_label(device: torch.device) -> str:
+    """The device as printed: a GPU's name, or the CPU's name with torch's thread count."""
+    if device.type != "cpu":
+        return device_name(device)
+    return f"{device_name(device)} (CPU, {plural(torch.get_num_threads(), 'thread')})"
+
+
+def sig3(x: float) -> str:
+    """``x`` with three significant digits and no exponent for the magnitudes of the tables
+    (0.0147, 0.147, 1.47, 14.7, 147, 1470)."""
+    if x == 0 or abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{max(0, 2 - math.floor(math.log10(abs(x))))}f}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def table(result: dict) -> str:
+    repeats = result["repeats"]
     lines = []
+    if result["quick"]:
+        lines.append(f"QUICK RUN: miniature matrix sets, {plural(repeats, 'repeat')}: the timings "
+                     "are smoke values (they check that every path runs), not measurements")
     for name, data in result["sets"].items():
-        lines.append(f"\n**{name}** — {data['matrices']} matrices, {data['parameters'] / 1e6:.1f}M "
-                     f"parameters, {data['ns_gflop']:.0f} GFLOP of NS5; bf16 matmul "
-                     f"{data['matmul_gflops']:.0f} GFLOP/s\n")
-        lines.append("| contender | ms/step | × torch | × Muon (ours) | GFLOP/s | of matmul "
-                     "| peak extra MB | state MB | err Gauss (× torch) | err decay (× torch) |")
+        lines.append(f"\n**{name}**{' (quick: smoke values)' if result['quick'] else ''} — "
+                     f"{data['matrices']} matrices, {data['parameters'] / 1e6:.2g}M parameters, "
+                     f"{sig3(data['ns_gflop'])} GFLOP of NS5 per step; bf16 matmul "
+                     f"{sig3(data['matmul_gflops'])} GFLOP/s (median over repeats)\n")
+        lines.append(f"| contender | ms/step, median of {repeats} | × torch, median of "
+                     "per-repeat ratios | × Muon (ours), median of per-repeat ratios | NS5 GFLOP/s "
+                     "| of bf16 matmul | peak extra MB | state MB | err Gauss (× torch) "
+                     "| err decay (× torch) |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for cname, row in data["contenders"].items():
             lines.append(
-                f"| {cname} | {row['ms']:.0f} | {row['vs_torch']:.3f} | {row['vs_muon']:.3f} | "
-                f"{row['gflops']:.0f} | {row['of_matmul']:.2f} | {row['peak_extra_mb']:.0f} | "
-                f"{row['state_bytes'] / 2**20:.0f} | {row['err_gaussian']:.2e} "
+                f"| {cname} | {sig3(row['ms'])} | {row['vs_torch']:.3f} | {row['vs_muon']:.3f} | "
+                f"{sig3(row['gflops'])} | {row['of_matmul']:.2f} | {sig3(row['peak_extra_mb'])} | "
+                f"{sig3(row['state_bytes'] / 2**20)} | {row['err_gaussian']:.2e} "
                 f"({row['x_torch_gaussian']:.2f}) | {row['err_decay']:.2e} "
                 f"({row['x_torch_decay']:.2f}) |"
             )
-        lines.append("\nGFLOP/s counts the standard NS5 FLOPs (for the Gram order, which does "
+        lines.append("\nA repeat times every contender once, in rotating order; a ratio column is "
+                     "the median over repeats of the contender's time over the reference's time "
+                     "in the same repeat, so it need not equal the ratio of the two ms medians. "
+                     "NS5 GFLOP/s counts the standard NS5 FLOPs (for the Gram order, which does "
                      "fewer, an effective rate).")
         split = ", ".join(f"W={w}: {d['max_share_over_ideal']:.3f}×"
                           for w, d in data["ddp_split"].items())
@@ -403,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
                           else "cpu" if args.device == "auto" else args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
     if repeats < 1:
         parser.error("--repeats: must be ≥ 1")
     entries = contenders(device, args.compile)
     result = {
         "device": device_name(device),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "muoneq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -423,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"device: {result['device']}, torch {result['torch']}, {repeats} repeats")
+    print(f"device: {device_label(device)}, torch {result['torch']}, {plural(repeats, 'repeat')}")
     print(table(result))
     print(f"\nwrote {out}")
     return 0

@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "muoneq.benchmarks.bench_step",
         "time one optimizer step vs torch.optim.Muon on GPT-2/LLaMA/ResNet matrix sets",
     ),
+    "gpu-check": (
+        "muoneq.benchmarks.gpu_check",
+        "check every GPU path and record it in benchmarks/results/<device>.json",
+    ),
     "data": (
         "muoneq.tasks.language.prepare",
         "tokenize a corpus (FineWeb, C4, local files) into token shards",

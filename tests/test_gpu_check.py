@@ -1,0 +1,254 @@
+"""``make gpu-check`` (``muoneq gpu-check``) and the script that runs it on a bare GPU machine:
+the CPU smoke run through the Makefile, the results file, the optimizer timer, merging and
+the targets' verdicts."""
+
+import base64
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from muoneq.benchmarks import gpu_check
+from muoneq.benchmarks.bench_step import device_name
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def cpu_results(folder: Path) -> dict:
+    path = folder / f"{gpu_check.slug(device_name(CPU))}-quick.json"
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_make_gpu_check_quick_on_cpu_runs_every_part(tmp_path):
+    done = subprocess.run(["make", "gpu-check", "DEVICE=cpu", "QUICK=1", f"OUT={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = cpu_results(tmp_path)
+    parts = record["parts"]
+    assert record["device"] == device_name(CPU) and record["device_type"] == "cpu"
+    assert record["quick"] and record["git_commit"]
+    assert {name: p["status"] for name, p in parts.items()} == {
+        "tests": "skipped", "bench": "ok", "gpt2": "ok", "resnet": "ok", "fsdp2": "ok"}
+
+    # 1: every gpu test was collected and skipped for want of CUDA
+    assert parts["tests"]["skipped"] > 0 and parts["tests"]["passed"] == 0
+    assert "CUDA" in parts["tests"]["reason"]
+    # 2: the bench's GPT-2 quick set, NS5 FLOPs counted by hand (see test_bench_output.py)
+    bench = parts["bench"]["result"]["sets"]["gpt2_small"]
+    assert bench["ns_gflop"] == pytest.approx(0.14680064, rel=1e-12)
+    assert record["muoneq_r_over_torch_muon_gpt2_small"] == bench["contenders"]["MuonEq-R"][
+        "vs_torch"] > 0
+    # 3: MFU against the float32 matmul rate measured on this CPU, the optimizer's share of
+    # the step from the timed optimizer steps
+    gpt2 = parts["gpt2"]
+    peak, eager = gpt2["settings"]["peak"], gpt2["runs"]["eager"]
+    assert not peak["datasheet"] and "float32" in peak["source"]
+    assert gpt2["runs"]["compiled"]["status"] == "skipped" and gpt2["fastest"] == "eager"
+    assert record["gpt2_small_mfu"] == pytest.approx(
+        eager["flops_per_token"] * eager["tokens_per_s"] / (peak["tflops"] * 1e12))
+    assert 0 < record["gpt2_small_mfu"] < 1
+    assert record["gpt2_small_optimizer_share"] == pytest.approx(
+        eager["optimizer_step_ms"] / 1e3 / eager["step_s"])
+    assert 0 < record["gpt2_small_optimizer_share"] < 1
+    assert math.isfinite(eager["val_loss"])
+    # 4, 5: one CIFAR epoch of 256 images at batch 128, two FSDP2 steps
+    assert parts["resnet"]["steps"] == 2 and parts["resnet"]["settings"]["channels_last"]
+    assert record["resnet18_cifar10_epoch_s"] > 0
+    assert parts["fsdp2"]["settings"]["steps"] == 2 and record["llama1b_fsdp2"] == "ok"
+
+    summary = (tmp_path / f"{record['device_slug']}-quick.md").read_text()
+    assert "QUICK RUN" in summary and "smoke value" in summary
+    assert "a CPU run is not compared with them" in summary
+    # issue 11: the bench's own output says what its columns are and that these are smoke values
+    assert "× torch, median of per-repeat ratios" in done.stdout
+    assert "the timings are smoke values" in done.stdout
+
+
+def probe_wheel(folder: Path) -> Path:
+    """A one-module pure-Python wheel (PEP 427 layout) standing in for the carried wheels."""
+    files = {"gpu_check_probe.py": b"VALUE = 1\n",
+             "gpu_check_probe-1.0.dist-info/METADATA":
+                 b"Metadata-Version: 2.1\nName: gpu-check-probe\nVersion: 1.0\n",
+             "gpu_check_probe-1.0.dist-info/WHEEL":
+                 b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    def digest(data: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = [f"{name},sha256={digest(data)},{len(data)}" for name, data in files.items()]
+    files["gpu_check_probe-1.0.dist-info/RECORD"] = (
+        "\n".join([*record, "gpu_check_probe-1.0.dist-info/RECORD,,"]) + "\n").encode()
+    folder.mkdir()
+    path = folder / "gpu_check_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+    return path
+
+
+def run_script(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "benchmarks/gpu_machine.sh", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+@pytest.mark.slow
+def test_gpu_machine_script_installs_the_wheels_and_the_project_then_runs_the_check(tmp_path):
+    probe_wheel(tmp_path / "whl")
+    done = run_script("check", "--device", "cpu", "--quick", "--parts", "fsdp2",
+                      "--out", str(tmp_path / "results"), WHEELS=str(tmp_path / "whl"),
+                      SITE=str(tmp_path / "site"), OUT=str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "site" / "gpu_check_probe.py").is_file()
+    copied = cpu_results(tmp_path / "out")  # --copy-to $OUT
+    assert copied == cpu_results(tmp_path / "results")
+    assert list(copied["parts"]) == ["fsdp2"] and copied["parts"]["fsdp2"]["status"] == "ok"
+
+
+def test_gpu_machine_script_without_wheels_says_what_to_do(tmp_path):
+    (tmp_path / "whl").mkdir()
+    done = run_script("check", WHEELS=str(tmp_path / "whl"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"gpu_machine.sh: no wheels in {tmp_path / 'whl'}/; run make gpu-wheels where pip "
+        f"works and carry {tmp_path / 'whl'}"]
+    assert run_script("wheel").returncode == 2
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--device", "cpu"], "only --quick runs"), (["--device", "tpu", "--quick"], "--device"),
+    (["--device", "cpu", "--quick", "--parts", "bench,gp2"], "--parts: unknown ['gp2']"),
+])
+def test_bad_arguments_are_refused_with_one_line(argv, field, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("muoneq gpu-check: error:") and field in error
+
+
+def test_optimizer_timer_leaves_out_the_closure_lightning_runs_inside_step(monkeypatch):
+    """Lightning runs the last micro-batch's forward and backward inside ``optimizer.step``
+    (as its closure): only what follows the closure is the optimizer's time."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+
+    class Slow(torch.optim.SGD):
+        def step(self, closure=None):
+            loss = closure() if closure is not None else None
+            clock[0] += 0.25  # the optimizer's own work
+            return super().step() or loss
+
+    def closure():
+        clock[0] += 100.0  # forward and backward
+        return torch.tensor(1.0)
+
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = Slow([p], lr=0.1)
+    timer = gpu_check.OptimizerStepTimer()
+    timer.on_train_start(SimpleNamespace(optimizers=[opt]), SimpleNamespace(device=CPU))
+    opt.step(closure)
+    opt.step(closure=closure)
+    opt.step()
+    assert timer.seconds == [0.25, 0.25, 0.25]
+    assert timer.median() == 0.25  # the first (warm-up) step left out
+
+
+def bench_row(vs_torch: float, vs_muon: float = 1.0, x_torch: float = 1.0) -> dict:
+    return {"ms": 10.0, "vs_torch": vs_torch, "vs_muon": vs_muon, "gflops": 1.0,
+            "of_matmul": 0.5, "peak_extra_mb": 1.0, "state_bytes": 2**20, "err_gaussian": 0.01,
+            "x_torch_gaussian": x_torch, "err_decay": 0.05, "x_torch_decay": 1.0}
+
+
+def cuda_record() -> dict:
+    part = {"seconds": 1.0, "date": "2026-11-23T10:00:00+00:00", "git_commit": "abc"}
+    rows = {"torch.optim.Muon": bench_row(1.0), "Muon (ours)": bench_row(0.6),
+            "MuonEq-R": bench_row(0.62, 1.01, 1.4), "MuonEq-R (compiled)": bench_row(0.45)}
+    bench = {"repeats": 7, "quick": False, "sets": {"gpt2_small": {
+        "matrices": 48, "parameters": 84934656, "ns_gflop": 1520.0, "matmul_gflops": 7.0e5,
+        "contenders": rows, "ddp_split": {}}}}
+    gpt2_run = {"status": "ok", "mfu": 0.30, "optimizer_share": 0.012, "tokens_per_s": 1e5,
+                "step_s": 5.0}
+    return {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "quick": False,
+            "parts": {"bench": {**part, "status": "ok", "command": "muoneq bench", "result": bench},
+                      "gpt2": {**part, "status": "ok", "fastest": "compiled",
+                               "runs": {"compiled": gpt2_run}}}}
+
+
+def test_headline_figures_and_verdicts_against_the_targets_of_issue_16():
+    record = cuda_record()
+    record.update(gpu_check.headline(record["parts"]))
+    assert record["muoneq_r_over_torch_muon_gpt2_small"] == 0.62
+    assert record["fastest_muoneq_r_variant_gpt2_small"] == "MuonEq-R (compiled)"
+    assert record["gpt2_small_mfu"] == 0.30 and record["resnet18_cifar10_epoch_s"] is None
+    assert gpu_check.target_rows(record) == [
+        ("MuonEq-R step over torch.optim.Muon's", "≤ 0.5", "0.62", "missed by 24%"),
+        ("MuonEq-R step over our Muon's", "≤ 1.03", "1.01", "met"),
+        ("MuonEq-R bf16 NS5 error over torch's (worst)", "≤ 1.5", "1.4", "met"),
+        ("GPT2-small training MFU", "≥ 0.4", "0.3", "missed by 25%"),
+        ("optimizer share of a GPT2-small step", "≤ 0.01", "0.012", "missed by 20%"),
+    ]
+
+
+def test_parts_not_rerun_are_kept_from_the_same_device_and_mode(tmp_path):
+    path = tmp_path / "nvidia-h100-80gb-hbm3.json"
+    path.write_text(json.dumps(cuda_record()))
+    kept = gpu_check.earlier_parts(path, "NVIDIA H100 80GB HBM3", False, ["gpt2"])
+    assert list(kept) == ["bench"]
+    assert gpu_check.earlier_parts(path, "NVIDIA H200", False, ["gpt2"]) == {}
+    assert gpu_check.earlier_parts(path, "NVIDIA H100 80GB HBM3", True, ["gpt2"]) == {}
+    assert gpu_check.earlier_parts(tmp_path / "none.json", "x", False, []) == {}
+
+
+def test_device_slug_is_a_file_name():
+    assert gpu_check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_check.slug("Intel(R) Xeon(R) Platinum 8480+") == "intel-r-xeon-r-platinum-8480"
+
+
+def test_a_failed_part_is_recorded_the_next_runs_and_a_killed_one_stays_started(
+        tmp_path, monkeypatch, capsys):
+    def broken(check):
+        raise RuntimeError("no kernel image is available\nfor execution on the device")
+
+    def killed(check):
+        raise KeyboardInterrupt
+
+    def skipped(check):
+        return {"status": "skipped", "reason": "stand-in"}
+
+    parts = {"tests": broken, "bench": skipped, "gpt2": killed}
+    monkeypatch.setattr(gpu_check, "PARTS", parts)
+    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([*argv, "--parts", "tests,bench,gpt2"])
+    record = cpu_results(tmp_path)
+    assert record["parts"]["tests"]["status"] == "failed"
+    assert record["parts"]["tests"]["error"] == (
+        "RuntimeError: no kernel image is available for execution on the device")
+    assert "Traceback" in record["parts"]["tests"]["traceback"]
+    assert record["parts"]["bench"]["status"] == "skipped"
+    assert record["parts"]["gpt2"]["status"] == "started"
+    summary = (tmp_path / f"{record['device_slug']}-quick.md").read_text()
+    assert "| gpt2 | started: did not finish (the process was killed or crashed) |" in summary
+
+    # a run of some parts keeps the others; its exit status is that of the parts it ran
+    monkeypatch.setattr(gpu_check, "PARTS", {**parts, "gpt2": skipped})
+    assert gpu_check.main([*argv, "--parts", "gpt2"]) == 0
+    record = cpu_results(tmp_path)
+    assert {k: p["status"] for k, p in record["parts"].items()} == {
+        "tests": "failed", "bench": "skipped", "gpt2": "skipped"}
+    capsys.readouterr()
+    assert gpu_check.main([*argv, "--parts", "tests"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "muoneq gpu-check: failed parts: tests (see above and ")
