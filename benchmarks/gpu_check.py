@@ -69,7 +69,7 @@ from muoneq.benchmarks.bench_step import main as bench_main
 from muoneq.benchmarks.bench_step import table as bench_table
 from muoneq.runtime import compose, train
 from muoneq.runtime.accelerators import synchronize
-from muoneq.runtime.run import provenance
+from muoneq.runtime.record import session
 from muoneq.tasks.language.module import device_peak_tflops
 from muoneq.tasks.language.shards import shard_name, write_shard
 
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     name = device_name(device)
     kept = earlier_parts(path, name, args.quick, parts)
     copy_to = Path(args.copy_to) if args.copy_to else None
-    base = provenance()
+    base = session()
     # a copy of the checkout without .git (a lent machine) names its commit in the environment
     base["git_commit"] = base["git_commit"] or os.environ.get("MUONEQ_GIT_COMMIT")
     record = {
