@@ -408,9 +408,9 @@ def param_groups(
 
     Parameters stored the plain way form the first matrix group; each other stored layout
     (:mod:`muoneq.layout`: transposed, expert banks, splits) a group of its own with the keys
-    ``transposed``, ``batch_dims`` and ``splits``. A ``name`` among the matrix hparams is
-    suffixed with the layout in the extra groups (``muon_transposed``). Empty groups are left
-    out.
+    ``transposed``, ``batch_dims`` and ``splits``. A ``name`` among the matrix hparams names
+    the first matrix group; the others get it suffixed with their layout (``muon_transposed``).
+    Empty groups are left out.
     """
     routes = route(model, head_names=head_names, adamw_first_conv=adamw_first_conv,
                    adamw_names=adamw_names, transposed=transposed, stacked=stacked,
@@ -426,8 +426,8 @@ def param_groups(
             continue
         layout = dict(key)
         group = {"params": params, "use_muon": True, **muon, **layout}
-        if "name" in muon and key:
-            base = f"{muon['name']}_{_layout_tag(layout)}"
+        if "name" in muon and groups:  # the first matrix group keeps the name
+            base = f"{muon['name']}_{_layout_tag(layout) or 'plain'}"
             group["name"], i = base, 1
             while group["name"] in names:
                 i += 1
