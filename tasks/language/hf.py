@@ -82,6 +82,12 @@ def hf_config(*, config: str | None, model_type: str | None, size: str | None,
         base = AutoConfig.for_model(model_type)
         keys = dict(HF_SIZES[size])
     known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
+    missing = [k for k in keys if config is None and k not in known]
+    if missing:
+        raise ValueError(
+            f"task.model.size: the {model_type} config has no {missing[0]!r} (the suite's "
+            "sizes are LLaMA-style); set its sizes with task.model.hf_overrides on a local "
+            "config.json (task.model.hf_config)")
     unknown = sorted(set(overrides) - known)
     if unknown:
         close = difflib.get_close_matches(unknown[0], known, n=1)
