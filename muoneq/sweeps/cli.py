@@ -10,7 +10,8 @@ from pathlib import Path
 import optuna
 
 from muoneq.suite_files import suite_folder
-from muoneq.sweeps.driver import Driver, DriverOptions, trial_command
+from muoneq.sweeps.driver import Driver, DriverOptions
+from muoneq.sweeps.launch import trial_command
 from muoneq.sweeps.spec import SweepError, load_sweep
 from muoneq.sweeps.storage import storage_label
 from muoneq.sweeps.validate import check_trials, search_points
