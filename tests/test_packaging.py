@@ -167,15 +167,17 @@ TASK = TaskSpec(ToyConfig, build, "a third-party toy task")
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """A distribution ``toy-plugin`` on ``sys.path`` whose ``muoneq.tasks`` entry point is
-    ``toy = "toy_plugin:TASK"``, as ``pip install`` of such a package leaves it."""
+    """A distribution ``toy-plugin`` on ``sys.path`` whose ``muoneq.tasks`` entry points are
+    ``toy = "toy_plugin:TASK"`` and one that cannot be imported, as ``pip install`` of such a
+    package leaves them."""
     site = tmp_path / "site"
     (site / "toy_plugin").mkdir(parents=True)
     (site / "toy_plugin" / "__init__.py").write_text(PLUGIN)
     info = site / "toy_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoy = toy_plugin:TASK\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\ntoy = toy_plugin:TASK\nbroken = no_such_module:TASK\n")
     (tmp_path / "toy.yaml").write_text("name: toy\nwidth: 5\n")
     monkeypatch.syspath_prepend(str(site))
     yield site
@@ -192,6 +194,9 @@ def test_a_third_party_task_is_found_through_its_entry_point(plugin, tmp_path):
         register_task("toy", spec)
     with pytest.raises(ValueError, match="unknown task 'toyy'; known: .*cifar10.*toy"):
         get_task("toyy")
+    with pytest.raises(ValueError, match=r"task 'broken' \(no_such_module:TASK\) cannot be "
+                       "imported: No module named 'no_such_module'; reinstall the package"):
+        get_task("broken")
     # the `muoneq` command composes its config as a built-in task's: typed by its dataclass
     env = {**os.environ, "PYTHONPATH": str(plugin)}
     command = [sys.executable, "-m", "muoneq", "train", f"task={tmp_path / 'toy.yaml'}",

@@ -68,7 +68,13 @@ def get_task(name: str) -> TaskSpec:
         if name not in declared:
             known = ", ".join(task_names()) or f"(none: no {ENTRY_POINT_GROUP} entry points)"
             raise ValueError(f"task.name: unknown task {name!r}; known: {known}")
-        spec = declared[name].load()
+        try:
+            spec = declared[name].load()
+        except ImportError as err:
+            raise ValueError(
+                f"task.name: task {name!r} ({declared[name].value}) cannot be imported: {err}; "
+                "reinstall the package that declares it (a module of yours with the same name "
+                "shadows it when it lies in the folder you run from)") from None
         if not isinstance(spec, TaskSpec):
             raise TypeError(f"entry point {declared[name].value} of {ENTRY_POINT_GROUP} "
                             f"({name}) is a {type(spec).__name__}, not a TaskSpec")
