@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from muoneq.tasks.language.data import DEFAULT_VAL_TOKENS
-from muoneq.tasks.language.models import ARCHITECTURES
+from tasks.language.data import DEFAULT_VAL_TOKENS
+from tasks.language.models import ARCHITECTURES
 
 
 @dataclass
