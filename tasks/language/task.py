@@ -1,4 +1,5 @@
-"""The ``language`` task: GPT-2 or LLaMA-2 pretraining on token shards, validation perplexity.
+"""The ``language`` task: GPT-2, LLaMA-2 or any Hugging Face causal LM (``task.model.arch=hf``)
+pretrained on token shards, validation perplexity.
 
 Recipes of the paper: ``conf/experiment/gpt2_small_fineweb.yaml`` (ablation table) and
 ``llama{130m,350m,1b}_c4.yaml`` (main comparison), ``llama_tiny_shakespeare.yaml`` for a CPU.
@@ -26,6 +27,9 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
     vocab = pad_vocab(shard_vocab_size(task.data), task.model.vocab_multiple)
     tie = task.model.tie_embeddings
     extra = {} if tie is None else {"tie_embeddings": tie}
+    if task.model.arch == "hf":
+        extra = {"config": task.model.hf_config, "model_type": task.model.hf_model_type,
+                 "overrides": dict(task.model.hf_overrides)}
     torch.manual_seed(cfg.seed)
     model = build_model(task.model.arch, task.model.size, vocab_size=vocab,
                         max_seq_len=task.data.seq_len, **extra)
