@@ -261,6 +261,15 @@ class Curve:
     seeds: int
 
 
+def mean_curve(curves: Sequence[dict[int, float]]) -> Curve:
+    """The mean and the min–max band of several seeds' ``{global step: value}`` curves, at the
+    steps every seed logged."""
+    steps = sorted(set.intersection(*(set(cv) for cv in curves)))
+    at = [[cv[s] for cv in curves] for s in steps]
+    return Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
+                 [max(v) for v in at], len(curves))
+
+
 @dataclass
 class CurvePlot:
     path: Path
@@ -291,10 +300,8 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             curves = [cv for cv in curves if cv]
             if not curves:
                 continue
-            steps = sorted(set.intersection(*(set(cv) for cv in curves)))
-            at = [[cv[s] for cv in curves] for s in steps]
-            curve = Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
-                          [max(v) for v in at], len(curves))
+            curve = mean_curve(curves)
+            steps = curve.steps
             sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
                             if c.values[a] is not None)
             label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
