@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import optuna
 import pytest
@@ -13,14 +14,24 @@ from matplotlib.image import imread
 from report_helpers import add_trial
 from torch.utils.tensorboard import SummaryWriter
 
+from muoneq.demo import demo_sweep
 from muoneq.report import paired
 from muoneq.report.cli import main as report_main
 from muoneq.report.paired import Interval, comparisons
 from muoneq.report.speedup import crossing
 from muoneq.report.tables import build_table
-from muoneq.sweeps.spec import MetricColumn, SweepError, TableSpec, load_sweep, spec_to_dict
+from muoneq.runtime import compose
+from muoneq.sweeps.spec import (
+    MetricColumn,
+    SweepError,
+    TableSpec,
+    load_sweep,
+    spec_from_dict,
+    spec_to_dict,
+)
 from muoneq.sweeps.storage import open_storage
 
+SWEEPS = Path(__file__).parents[1] / "sweeps"
 T_975_2 = 4.302652729749462  # t_{0.975, 2}, as printed in Student-t tables (4.303)
 
 
@@ -239,3 +250,27 @@ def test_speedup_max_gap_must_be_positive(tmp_path):
     with pytest.raises(SweepError, match=r"report.tables\[t\].speedup.max_gap must be > 0 "
                                          r"\(got 0.0\)"):
         load_sweep(path)
+
+
+def test_paper_studies_with_speedups_validate_often_enough():
+    """The recipes' validation cadence: a crossing anywhere after the first 10% of a run lies
+    between two validations at most ``max_gap`` apart, so it is interpolated."""
+    checked = 0
+    for path in sorted(SWEEPS.glob("*.yaml")):
+        spec = load_sweep(path)
+        for table in spec.report.tables:
+            if table.speedup is None:
+                continue
+            for experiment in {spec.experiment_of(p) for p in spec.points()}:
+                cfg = compose([f"experiment={experiment}", *spec.overrides])
+                every, steps = cfg.task.val_every_n_steps, cfg.trainer.max_steps
+                assert every / (0.1 * steps) <= table.speedup.max_gap, (path.name, experiment)
+                checked += 1
+    assert checked >= 4  # ablation-gpt2 and table-llama's three sizes
+
+
+def test_the_demo_reports_paired_differences_and_speedups_over_three_seeds(tmp_path):
+    spec = spec_from_dict(demo_sweep(tmp_path), source="muoneq.demo")
+    (table,) = spec.report.tables
+    assert table.deltas and table.speedup.tag == "val/loss"
+    assert len(spec.seeds) == 3 and len(spec.points()) * len(spec.seeds) == 81

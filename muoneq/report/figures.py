@@ -79,10 +79,18 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     shared color scale, plus two robustness numbers per panel (the paper's "broader
     low-perplexity region" as numbers): the fraction of its grid within ``robustness_pct`` % of
     the best cell of all panels, and within that much of its own best cell (missing or diverged
-    cells count as outside)."""
+    cells count as outside). A row run at fewer than two values of ``x`` or of ``y`` (AdamW has
+    no momentum; a mode run at one momentum) is no heatmap and gets no panel."""
     panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
     stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
-             if c.values[spec.x] is not None and c.values[spec.y] is not None}  # e.g. AdamW
+             if c.values[spec.x] is not None and c.values[spec.y] is not None}
+    spans: dict[tuple, tuple[set, set]] = {}
+    for key, c in stats.items():
+        seen = spans.setdefault(key[:len(panel_axes)], (set(), set()))
+        seen[0].add(c.values[spec.x])
+        seen[1].add(c.values[spec.y])
+    stats = {k: c for k, c in stats.items()
+             if min(map(len, spans[k[:len(panel_axes)]])) >= 2}
     xs = _sorted_values(c.values[spec.x] for c in stats.values())
     ys = _sorted_values(c.values[spec.y] for c in stats.values())
     panels: dict[tuple, np.ndarray] = {}
