@@ -230,6 +230,10 @@ README_COMMANDS: dict[str, Doc] = {
     "muoneq sweep sweeps/ablation-cifar10.yaml --status":
         Doc("run", "study ablation-cifar10 (journal:runs/ablation-cifar10/optuna.journal): "
                    "0/99 runs done"),
+    "make gpu-check": Doc("make", "tests/test_gpu_check.py runs it through make, QUICK=1"),
+    "make gpu-wheels": Doc("skip", "downloads wheels from the package registry"),
+    "bash benchmarks/gpu_machine.sh check":
+        Doc("skip", "for a GPU machine; tests/test_gpu_check.py runs it with a stand-in wheel"),
     "make bench": Doc("skip", "minutes on a CPU (QUICK=1 runs the same code through make)"),
     "muoneq bench --sets gpt2_small": Doc("skip", "minutes on a CPU (the smoke run of the same "
                                                   "code is tested through make)"),
