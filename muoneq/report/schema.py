@@ -26,12 +26,25 @@ class MetricColumn:
 
 
 @dataclass
+class SpeedupSpec:
+    """Token-efficiency speedups of a table's comparisons (muoneq.report.speedup)."""
+
+    tag: str = "val/loss"  #: TensorBoard scalar of a loss (lower is better), by global step
+    #: a crossing is interpolated only between validations at most this far apart (as a
+    #: fraction of the earlier one's tokens); farther: "too coarse", no number
+    max_gap: float = 0.25
+
+
+@dataclass
 class TableSpec:
     name: str = "table"
     metrics: list[MetricColumn] = field(default_factory=list)  #: first one ranks the rows
     select: list[str] = field(default_factory=lambda: ["optimizer.lr"])  #: chosen at best
     columns: str | None = None  #: axis whose values become column groups (e.g. experiment)
-    deltas: bool = True  #: MuonEq variants against their Muon counterparts
+    #: MuonEq variants against their Muon counterparts (the Δ in the cells), and every row
+    #: against its baselines as paired differences over seeds with 95% intervals
+    deltas: bool = True
+    speedup: SpeedupSpec | None = None  #: token-efficiency speedups against the baselines
 
 
 @dataclass
@@ -83,6 +96,9 @@ def check_report(report: ReportSpec, axes: Iterable[str]) -> None:
             if m.direction is not None and m.direction not in DIRECTIONS:
                 raise ValueError(f"report.tables[{t.name}].metrics.direction={m.direction!r} is "
                                  f"invalid; allowed: {', '.join(DIRECTIONS)}")
+        if t.speedup is not None and not t.speedup.max_gap > 0:
+            raise ValueError(f"report.tables[{t.name}].speedup.max_gap must be > 0 "
+                             f"(got {t.speedup.max_gap})")
     for h in report.heatmaps:
         need(h.x, "report.heatmaps.x")
         need(h.y, "report.heatmaps.y")
