@@ -15,7 +15,7 @@ from test_language_task import shards, tiny_args  # noqa: F401 (a fixture and it
 
 from muoneq.cli import main as cli
 from muoneq.runtime import ConfigError, compose, train
-from muoneq.tasks.language.models import build_model
+from tasks.language.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

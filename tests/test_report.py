@@ -15,8 +15,9 @@ from report_helpers import add_trial
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
+from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
 from muoneq.report.tables import build_table, to_latex, to_markdown
-from muoneq.sweeps.spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec, load_sweep
+from muoneq.sweeps.spec import load_sweep
 from muoneq.sweeps.storage import open_storage
 
 NAN = float("nan")
@@ -270,3 +271,15 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
     assert "robustness.png" in pngs and len(pngs) == 3
     for name in pngs:
         assert f"]({name})" in markdown, name
+
+
+def test_rows_run_at_one_momentum_get_no_heatmap(tmp_path):
+    rows = [(opt("muon_nes", lr, **{"optimizer.momentum": m}), [5.0 + lr + m])
+            for lr in (0.02, 0.04) for m in (0.6, 0.9)]
+    rows += [(opt("muoneq_nes", lr, "C", **{"optimizer.momentum": 0.9}), [5.0]) for lr in
+             (0.02, 0.04)]
+    rows += [(opt("adamw", 1e-3), [9.0])]
+    panels = heatmaps(runs_of(rows, "ppl"), HeatmapSpec(), [*AXES, "optimizer.momentum"], "ppl",
+                      "minimize", tmp_path)
+    assert [p.title for p in panels] == ["Muon-Nes"]  # MuonEq-Nes (C): one momentum; AdamW: none
+    assert panels[0].figure.axes[0].images[0].get_clim() == pytest.approx((5.62, 5.94))  # its own

@@ -6,10 +6,12 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from muoneq.report import paired, speedup
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
 from muoneq.report.records import StudyData
+from muoneq.report.schema import TableSpec
 from muoneq.report.tables import Table, build_table, to_latex, to_markdown
-from muoneq.sweeps.spec import SweepError, TableSpec
+from muoneq.sweeps.spec import SweepError
 
 
 @dataclass
@@ -53,8 +55,19 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
         {a: r.get(a) for a in axes} for r in data.runs]
     for tspec in tables:
         table = build_table(data.runs, tspec, axes, data.objective, data.direction, points)
-        md, tex = to_markdown(table), to_latex(table)
-        for suffix, text in (("md", md), ("tex", tex)):
+        found = paired.comparisons(table) if tspec.deltas else []
+        md = to_markdown(table) + paired.to_markdown(table, found)
+        figures = []
+        if found and tspec.speedup is not None:
+            speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,
+                                        tspec.name, writer)
+            md += speedup.to_markdown(speedups, tspec.speedup)
+            figures = [s.path for s in speedups if s.path is not None]
+            report.files += [*figures, out_dir / f"speedup_{tspec.name}.csv"]
+        texts = {"md": md, "tex": to_latex(table)}
+        if found:
+            texts["paired.tex"] = paired.to_latex(table, found)
+        for suffix, text in texts.items():
             path = out_dir / f"table_{tspec.name}.{suffix}"
             path.write_text(text)
             report.files.append(path)
@@ -62,6 +75,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
             writer.add_text(f"table/{tspec.name}", md)
         report.tables.append(table)
         parts.append(f"\n## Table: {tspec.name}\n\n{md}")
+        parts += [f"\n![{path.stem}]({path.name})\n" for path in figures]
     for hspec in rep.heatmaps:
         metric = hspec.metric or data.objective
         direction = data.direction if metric == data.objective else "minimize"

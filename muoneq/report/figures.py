@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.report.tables import axis_name, best_of, better, cells, describe
 from muoneq.sweeps.events import ScalarReader
-from muoneq.sweeps.spec import CurveSpec, HeatmapSpec, LineSpec, format_value
+from muoneq.sweeps.spec import format_value
 
 
 def slug(text: str) -> str:
@@ -79,10 +80,18 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     shared color scale, plus two robustness numbers per panel (the paper's "broader
     low-perplexity region" as numbers): the fraction of its grid within ``robustness_pct`` % of
     the best cell of all panels, and within that much of its own best cell (missing or diverged
-    cells count as outside)."""
+    cells count as outside). A row run at fewer than two values of ``x`` or of ``y`` (AdamW has
+    no momentum; a mode run at one momentum) is no heatmap and gets no panel."""
     panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
     stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
-             if c.values[spec.x] is not None and c.values[spec.y] is not None}  # e.g. AdamW
+             if c.values[spec.x] is not None and c.values[spec.y] is not None}
+    spans: dict[tuple, tuple[set, set]] = {}
+    for key, c in stats.items():
+        seen = spans.setdefault(key[:len(panel_axes)], (set(), set()))
+        seen[0].add(c.values[spec.x])
+        seen[1].add(c.values[spec.y])
+    stats = {k: c for k, c in stats.items()
+             if min(map(len, spans[k[:len(panel_axes)]])) >= 2}
     xs = _sorted_values(c.values[spec.x] for c in stats.values())
     ys = _sorted_values(c.values[spec.y] for c in stats.values())
     panels: dict[tuple, np.ndarray] = {}
@@ -261,6 +270,15 @@ class Curve:
     seeds: int
 
 
+def mean_curve(curves: Sequence[dict[int, float]]) -> Curve:
+    """The mean and the min–max band of several seeds' ``{global step: value}`` curves, at the
+    steps every seed logged."""
+    steps = sorted(set.intersection(*(set(cv) for cv in curves)))
+    at = [[cv[s] for cv in curves] for s in steps]
+    return Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
+                 [max(v) for v in at], len(curves))
+
+
 @dataclass
 class CurvePlot:
     path: Path
@@ -291,10 +309,8 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             curves = [cv for cv in curves if cv]
             if not curves:
                 continue
-            steps = sorted(set.intersection(*(set(cv) for cv in curves)))
-            at = [[cv[s] for cv in curves] for s in steps]
-            curve = Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
-                          [max(v) for v in at], len(curves))
+            curve = mean_curve(curves)
+            steps = curve.steps
             sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
                             if c.values[a] is not None)
             label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")

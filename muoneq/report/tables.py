@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from muoneq.sweeps.spec import MetricColumn, TableSpec, format_value
+from muoneq.report.schema import MetricColumn, TableSpec
+from muoneq.sweeps.spec import format_value
 
 #: how the paper names the optimizers of the registry
 OPTIMIZER_NAMES = {
@@ -60,12 +61,21 @@ class Cell:
 
     values: dict[str, Any]
     samples: list[float] = field(default_factory=list)
+    seeds: list[Any] = field(default_factory=list)  #: the seed of each sample
     diverged: int = 0
-    run_dirs: list[str] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)  #: the records of this setting, one per seed
 
     @property
     def n(self) -> int:
         return len(self.samples)
+
+    @property
+    def run_dirs(self) -> list[str]:
+        return [r["_run_dir"] for r in self.runs]
+
+    @property
+    def by_seed(self) -> dict[Any, float]:
+        return dict(zip(self.seeds, self.samples, strict=True))
 
     @property
     def mean(self) -> float | None:
@@ -86,12 +96,13 @@ def cells(runs: Iterable[dict], by: Sequence[str], metric: str) -> dict[tuple, C
     for run in runs:
         key = tuple(_norm(run.get(a)) for a in by)
         cell = out.setdefault(key, Cell(dict(zip(by, key, strict=True))))
-        cell.run_dirs.append(run["_run_dir"])
+        cell.runs.append(run)
         value = run.get(metric)
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue  # this run's metrics.json does not report the metric
         if math.isfinite(value):
             cell.samples.append(float(value))
+            cell.seeds.append(run.get("seed"))
         else:
             cell.diverged += 1
     return out
@@ -199,19 +210,26 @@ def _mark_best(rows, groups, metrics, directions) -> None:
                     entry.bold.add(metric.key)
 
 
-def _deltas(rows, groups, metric: str) -> None:
-    def without_mode(values: dict) -> tuple:
-        return tuple(sorted((k, v) for k, v in values.items() if k != "optimizer.mode"))
+def baseline_row(rows, values: dict[str, Any], optimizer: str):
+    """The row of ``optimizer`` that the row ``values`` is compared with: the first whose every
+    axis it sets (besides the optimizer) has the row's value (Muon-Nes for MuonEq-Nes (R);
+    AdamW, which sets no momentum or mode, for any row of its experiment). None if absent."""
+    for row in rows:
+        other = row[1]
+        if other.get("optimizer") == optimizer and all(
+                v is None or values.get(a) == v for a, v in other.items() if a != "optimizer"):
+            return row
+    return None
 
-    bases = {without_mode(values): entries for _, values, entries in rows
-             if values.get("optimizer") in COUNTERPART.values()}
+
+def _deltas(rows, groups, metric: str) -> None:
     for _, values, entries in rows:
         base = COUNTERPART.get(values.get("optimizer"))
-        counterpart = bases.get(without_mode({**values, "optimizer": base})) if base else None
+        counterpart = baseline_row(rows, values, base) if base else None
         if counterpart is None:
             continue
         for group in groups:
-            mine, theirs = entries[group].cells[metric], counterpart[group].cells[metric]
+            mine, theirs = entries[group].cells[metric], counterpart[2][group].cells[metric]
             if mine and theirs and mine.mean is not None and theirs.mean is not None:
                 entries[group].delta = mine.mean - theirs.mean
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from muoneq.tasks.language.data import DEFAULT_VAL_TOKENS
-from muoneq.tasks.language.hf import HF_SIZES, hf_config
-from muoneq.tasks.language.models import ARCHITECTURES
+from tasks.language.data import DEFAULT_VAL_TOKENS
+from tasks.language.hf import HF_SIZES, hf_config
+from tasks.language.models import ARCHITECTURES
 
 
 @dataclass

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from muoneq.tasks.language.base import CausalLM
-from muoneq.tasks.language.llama import LLAMA_SIZES
+from tasks.language.base import CausalLM
+from tasks.language.llama import LLAMA_SIZES
 
 #: ``task.model.size`` for ``hf_model_type``: the paper's LLaMA dimensions as HF config keys.
 HF_SIZES: dict[str, dict] = {

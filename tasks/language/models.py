@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from muoneq.tasks.language.base import CausalLM
-from muoneq.tasks.language.gpt import GPT, GPT_SIZES, GPTConfig
-from muoneq.tasks.language.hf import HFCausalLM, hf_config
-from muoneq.tasks.language.llama import LLAMA_SIZES, Llama, LlamaConfig
+from tasks.language.base import CausalLM
+from tasks.language.gpt import GPT, GPT_SIZES, GPTConfig
+from tasks.language.hf import HFCausalLM, hf_config
+from tasks.language.llama import LLAMA_SIZES, Llama, LlamaConfig
 
 #: architecture → (model class, config class, named sizes)
 ARCHITECTURES = {

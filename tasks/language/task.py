@@ -10,15 +10,14 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from muoneq.runtime import TaskSpec
-from muoneq.tasks.language.base import pad_vocab
-from muoneq.tasks.language.config import LanguageTaskConfig
-from muoneq.tasks.language.datamodule import (
+from tasks.language.base import pad_vocab
+from tasks.language.config import LanguageTaskConfig
+from tasks.language.datamodule import (
     LanguageDataModule,
     shard_vocab_size,
 )
-from muoneq.tasks.language.models import build_model
-from muoneq.tasks.language.module import LanguageModule
+from tasks.language.models import build_model
+from tasks.language.module import LanguageModule
 
 
 def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
@@ -41,7 +40,3 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
         compile=cfg.trainer.compile,
     )
     return module, LanguageDataModule(task.data, seed=cfg.seed)
-
-
-TASK = TaskSpec(LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: "
-                "validation perplexity")
