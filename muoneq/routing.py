@@ -155,8 +155,10 @@ def _head_modules(model: nn.Module, head_names: tuple[str, ...]) -> dict[int, st
                     found = getter()
                 except (AttributeError, NotImplementedError, TypeError):
                     found = None
-                if isinstance(found, nn.Module) and _linear_map(found):
-                    heads.setdefault(id(found), f"{api}() of {type(module).__name__}")
+                # timm's distilled models return (head, head_dist)
+                for head in found if isinstance(found, (tuple, list)) else (found,):
+                    if isinstance(head, nn.Module) and _linear_map(head):
+                        heads.setdefault(id(head), f"{api}() of {type(module).__name__}")
     named = dict(model.named_modules())
     for name, module in named.items():
         last = name.rsplit(".", 1)[-1]
