@@ -1,5 +1,7 @@
 """Reports of sweep studies (``muoneq report``): tables in Markdown and LaTeX with mean ± std
-over seeds, heatmaps and the robustness number, K / learning-rate sweep plots, learning curves.
+over seeds, paired differences against baselines with 95% intervals (``paired``), token-efficiency
+speedups (``speedup``), heatmaps and the robustness number, K / learning-rate sweep plots,
+learning curves.
 
 Public API::
 
