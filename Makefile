@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,postgres]'
+	$(PY) -m pip install -q -e '.[suite,dev,postgres]'
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv and install the package with its dev extras
+install: $(STAMP) ## create .venv and install the package with the suite, dev and postgres extras
 
 test: $(STAMP) ## run the whole test suite (CPU; GPU-only tests skip without a GPU)
 	$(PY) -m pytest -q tests
@@ -33,7 +33,7 @@ test-fast: $(STAMP) ## the suite without tests marked slow or distributed
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
 
 lint: $(STAMP) ## ruff
-	$(VENV)/bin/ruff check muoneq tasks tests benchmarks
+	$(VENV)/bin/ruff check .
 
 demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on CPU
 	$(PY) -m muoneq.demo

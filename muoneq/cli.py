@@ -3,6 +3,9 @@
 Sub-commands are imported lazily so that ``muoneq --help`` stays fast and a missing optional
 dependency of one job never breaks another. Each entry names a ``main(argv) -> int``.
 
+The commands are the experiment suite's: without its packages (``pip install "muoneq[suite]"``)
+a command says so in one line, naming the missing module.
+
 Expected mistakes (:class:`muoneq.errors.UserError`) are printed as one line,
 ``muoneq: <what>; <how to fix>``, with exit status 2; ``--debug`` (anywhere on the command line)
 or ``MUONEQ_DEBUG=1`` shows their traceback instead.
@@ -16,6 +19,11 @@ import sys
 
 from muoneq.errors import UserError, format_error
 
+#: What installs every command's dependencies (the library alone needs torch and numpy).
+SUITE_INSTALL = 'pip install "muoneq[suite]"'
+#: A missing module of these packages is a broken installation, not a missing extra.
+OWN_PACKAGES = ("muoneq", "tasks")
+
 #: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
@@ -27,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "check every GPU path and record it in benchmarks/results/<device>.json",
     ),
     "data": (
-        "muoneq.tasks.language.prepare",
+        "tasks.language.prepare",
         "tokenize a corpus (FineWeb, C4, local files) into token shards",
     ),
     "spectra": (
@@ -72,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(format_error(err), file=sys.stderr)
         return err.exit_code
+    except ModuleNotFoundError as err:
+        if debug or err.name is None or err.name.partition(".")[0] in OWN_PACKAGES:
+            raise
+        print(f"muoneq: {name} needs the module {err.name!r}, which is not installed; install "
+              f"the experiment suite: {SUITE_INSTALL}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 :class:`muoneq.MuonEq` runs these same functions for every matrix of a model (its fast paths
 pass the optional ``out=``/workspace buffers, which change where results are written, not
 what is computed). Conv filters are matrices viewed as ``(out, in·kh·kw)``
-(:func:`matrix_shape`).
+(:func:`matrix_shape`); weights stored otherwise (transposed, expert banks, fused blocks) are
+cut into their matrices by :mod:`muoneq.layout`.
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ from runtime_helpers import cifar_arrays, write_cifar_batches
 from torch import nn
 
 from muoneq.runtime.optim import build_optimizer_from_config
-from muoneq.tasks.vision.cifar10_data import (
+from tasks.vision.cifar10_data import (
     augmentation_params,
     crop_flip,
     load_cifar10,
     normalize,
 )
-from muoneq.tasks.vision.resnet import CifarResNet
+from tasks.vision.resnet import CifarResNet
 
 
 def _chw(images: np.ndarray) -> torch.Tensor:

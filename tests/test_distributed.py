@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from layout_helpers import CASES, block_grads, initial_blocks
+from test_layout import run_separate
 from torch import nn
 
 from muoneq import MuonEq
@@ -156,8 +158,9 @@ def ddp_worker(rank: int, world: int) -> dict:
 
 
 def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
-    """One pair of processes for both layouts (process start-up dominates these tests)."""
-    return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world)}
+    """One pair of processes for every layout (process start-up dominates these tests)."""
+    return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world),
+            "layouts": layouts_worker(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +297,61 @@ def test_fsdp2_distributed_checkpoint_round_trip(fsdp_results):
         for a, b in zip(fsdp_results[r]["resumed"], fsdp_results[r]["straight"], strict=True):
             assert torch.equal(a, b)
         assert max_rel_diff(fsdp_results[r]["straight"], want) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- stored layouts
+#: Stored layouts across the DDP split and FSDP2 row shards: blocks that straddle two ranks'
+#: rows (8 + 2 + 2 outputs over 2 × 6 rows), a transposed weight whose rows are its inputs, an
+#: expert bank sharded 2 + 1 experts.
+LAYOUT_CASES = [c for c in CASES if c.id in ("gqa_qkv", "conv1d_qkv", "experts_transposed",
+                                             "experts_gate_up", "conv_transpose")]
+LAYOUT_BATCHING = ("per_matrix", "stacked")
+
+
+def layout_optimizer(groups, batching: str):
+    return MuonEq(groups, lr=0.02, weight_decay=0.1, mode="RC", ns_dtype=torch.float32,
+                  batching=batching)
+
+
+def layouts_worker(rank: int, world: int) -> dict:
+    """Each case under the DDP split (the same gradients on every rank, as DDP leaves them)
+    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for case in LAYOUT_CASES:
+        for batching in LAYOUT_BATCHING:
+            for path in ("ddp", "fsdp"):
+                def place(t, path=path):
+                    return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
+
+                p = nn.Parameter(place(case.stored(initial_blocks(case))))
+                opt = layout_optimizer([{"params": [p], **case.keys}], batching)
+                for t in range(STEPS):
+                    p.grad = place(case.stored(block_grads(case, t)))
+                    opt.step()
+                whole = p.detach() if path == "ddp" else p.detach().full_tensor()
+                results[(case.id, batching, path)] = whole.clone()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[c.id for c in LAYOUT_CASES])
+@pytest.mark.parametrize("batching", LAYOUT_BATCHING)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, batching, path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = run_separate(case, lambda groups: layout_optimizer(groups, batching))
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(WORLD):
+        got = spawned[r]["layouts"][(case.id, batching, path)]
+        assert max_rel_diff([got], [want]) <= TOLERANCE
 
 
 # ----------------------------------------------------------------------------- Lightning

@@ -215,6 +215,11 @@ README_COMMANDS: dict[str, Doc] = {
         Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
     "muoneq train experiment=gpt2_small_fineweb optimizer=muoneq_nes optimizer.mode=RC":
         Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=llama130m_c4 optimizer=muoneq_nes task.model.arch=hf "
+    "task.model.hf_model_type=qwen2 task.model.size=130m":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
+    "muoneq train experiment=gpt2_small_fineweb optimizer=muoneq_nes optimizer.split_fused=true":
+        Doc("cpu_error", "trainer.accelerator=cuda: this machine has no usable CUDA GPU"),
     "make train-llama-tiny TEXT=path/to/tinyshakespeare.txt": Doc("make", MAKE_TEST),
     "make figure-ns-geometry QUICK=1": Doc("make", MAKE_TEST),
     "make figure-ns-geometry": Doc("skip", "the paper's sizes: GPU or many cores (QUICK=1 runs "

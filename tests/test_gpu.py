@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from layout_helpers import CASES
+from test_layout import run_separate, run_stored
 from torch import nn
 
 from muoneq import MuonEq, newton_schulz
@@ -88,3 +90,14 @@ def test_tiny_language_run_on_cuda_in_bf16_reports_mfu(tmp_path):
     assert metrics["status"] == "finished" and metrics["global_step"] == 4
     assert metrics["final"] is not None and 0 < metrics["mfu"] < 1
     assert metrics["peak_memory_kind"] != "host_rss"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_stored_layouts_on_cuda_update_each_block_as_a_separate_linear(case):
+    """Transposed weights, expert banks and fused splits on the accelerator default (stacked,
+    bf16): exactly the separate matrices' update on the same device."""
+    def make(groups):
+        return MuonEq(groups, lr=0.02, weight_decay=0.1, mode="RC")
+
+    assert torch.equal(run_stored(case, make, device="cuda"),
+                       run_separate(case, make, device="cuda"))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from muoneq.tasks.language.data import (
+from tasks.language.data import (
     PackedSequences,
     ResumableLoader,
     SequenceSampler,
@@ -18,7 +18,7 @@ from muoneq.tasks.language.data import (
     TokenStream,
     validation_sequences,
 )
-from muoneq.tasks.language.shards import write_shard
+from tasks.language.shards import write_shard
 
 
 @pytest.fixture

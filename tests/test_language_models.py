@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from muoneq import MuonEq, param_groups
-from muoneq.tasks.language.base import pad_vocab
-from muoneq.tasks.language.llama import apply_rotary, rotary_cos_sin
-from muoneq.tasks.language.models import build_model
+from tasks.language.base import pad_vocab
+from tasks.language.llama import apply_rotary, rotary_cos_sin
+from tasks.language.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from language_helpers import FORMATS, make_documents, tiny_hf_tokenizer_file, write_corpus
 
-import muoneq.tasks.language.prepare as prepare
+import tasks.language.prepare as prepare
 from muoneq.cli import main as cli
-from muoneq.tasks.language.shards import find_shards, open_shard
+from tasks.language.shards import find_shards, open_shard
 
 
 def byte_tokens(docs):

@@ -7,7 +7,7 @@ import pytest
 import tiktoken
 from language_helpers import tiny_hf_tokenizer_file, tiny_tiktoken_file
 
-from muoneq.tasks.language.shards import (
+from tasks.language.shards import (
     ShardError,
     find_shards,
     open_shard,
@@ -15,7 +15,7 @@ from muoneq.tasks.language.shards import (
     shard_name,
     write_shard,
 )
-from muoneq.tasks.language.tokenizer import load_tokenizer
+from tasks.language.tokenizer import load_tokenizer
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, n=None):

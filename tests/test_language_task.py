@@ -70,14 +70,19 @@ def shards(tmp_path_factory):
     return folder / "shards"
 
 
-def tiny(shards, run_dir, *extra):
-    return compose([
+def tiny_args(shards, run_dir, *extra) -> list[str]:
+    """Command-line overrides of a tiny LLaMA run on ``shards`` (byte tokens)."""
+    return [
         "experiment=llama_tiny_shakespeare", f"task.data.dir={shards}",
         "task.data.tokenizer=byte", "task.data.seq_len=32", "task.data.batch_size=8",
         "task.data.micro_batch_size=4", "task.data.val_tokens=1024", "task.val_every_n_steps=10",
         "trainer.max_steps=30", "schedule.total_steps=30", "schedule.warmup_steps=3",
         "trainer.progress=quiet", f"run.dir={run_dir}", *extra,
-    ])
+    ]
+
+
+def tiny(shards, run_dir, *extra):
+    return compose(tiny_args(shards, run_dir, *extra))
 
 
 def scalars(run_dir, tag):

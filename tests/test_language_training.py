@@ -6,17 +6,17 @@ from language_helpers import FORMATS, make_documents, tiny_tiktoken_file, write_
 
 from muoneq import MuonEq, param_groups
 from muoneq.cli import main as cli
-from muoneq.tasks.language.base import lm_loss, pad_vocab
-from muoneq.tasks.language.data import (
+from tasks.language.base import lm_loss, pad_vocab
+from tasks.language.data import (
     PackedSequences,
     ResumableLoader,
     SequenceSampler,
     TokenStream,
     validation_sequences,
 )
-from muoneq.tasks.language.models import build_model
-from muoneq.tasks.language.shards import find_shards
-from muoneq.tasks.language.tokenizer import load_tokenizer
+from tasks.language.models import build_model
+from tasks.language.shards import find_shards
+from tasks.language.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,17 +18,11 @@ from muoneq.demo import demo_sweep
 from muoneq.report import paired
 from muoneq.report.cli import main as report_main
 from muoneq.report.paired import Interval, comparisons
+from muoneq.report.schema import MetricColumn, TableSpec
 from muoneq.report.speedup import crossing
 from muoneq.report.tables import build_table
 from muoneq.runtime import compose
-from muoneq.sweeps.spec import (
-    MetricColumn,
-    SweepError,
-    TableSpec,
-    load_sweep,
-    spec_from_dict,
-    spec_to_dict,
-)
+from muoneq.sweeps.spec import SweepError, load_sweep, spec_from_dict, spec_to_dict
 from muoneq.sweeps.storage import open_storage
 
 SWEEPS = Path(__file__).parents[1] / "sweeps"

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from muoneq import MuonEq, build_optimizer, param_groups
+from muoneq import MuonEq, build_optimizer, describe, param_groups
 from muoneq.registry import OPTIMIZERS
+from muoneq.routing import route
 
 
 class TinyLM(nn.Module):
@@ -124,3 +125,171 @@ def test_every_registered_name_builds_and_steps():
         opt.step()
         changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
         assert all(changed), name
+
+
+# ----------------------------------------------------------------------------- what is a matrix
+def routes_by_name(model, **kwargs):
+    return {r.name: r for r in route(model, **kwargs)}
+
+
+class TinyViT(nn.Module):
+    """The parameters a ViT holds besides its linear maps (timm and torchvision names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(12, 8)  # a linear patch embedding
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+        self.reg_token = nn.Parameter(torch.zeros(1, 4, 8))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 5, 8))
+        self.blocks = nn.ModuleList([nn.Module()])
+        attn = self.blocks[0].attn = nn.Module()
+        attn.qkv = nn.Linear(8, 24)
+        attn.relative_position_bias_table = nn.Parameter(torch.zeros(9, 2))
+        self.blocks[0].layer_scale = nn.Parameter(torch.ones(8, 1, 1))
+        self.blocks[0].output = nn.Sequential(nn.Linear(8, 8))  # BERT-style block output
+        self.blocks[0].gate = nn.Parameter(torch.zeros(3, 8))  # a router: a linear map
+        self.heads = nn.Sequential()
+        self.heads.head = nn.Linear(8, 10)
+
+
+def test_tensors_that_are_not_linear_maps_go_to_adamw_by_name_and_shape():
+    routes = routes_by_name(TinyViT())
+    expected = {
+        "cls_token": ("adamw", "learned token"),
+        "reg_token": ("adamw", "learned token"),
+        "pos_embed": ("adamw", "position embedding"),
+        "patch_embed.proj.weight": ("adamw", "patch embedding"),
+        "blocks.0.attn.qkv.weight": ("matrix", "Linear"),
+        "blocks.0.attn.relative_position_bias_table": ("adamw", "relative-position bias"),
+        "blocks.0.layer_scale": ("adamw", "per-channel scale"),
+        "blocks.0.output.0.weight": ("matrix", "Linear"),
+        "blocks.0.gate": ("matrix", "Module"),
+        "heads.head.weight": ("adamw", "last layer of 'heads'"),
+    }
+    for name, (path, detail) in expected.items():
+        assert (routes[name].path, routes[name].detail.split(",")[0]) == (path, detail), name
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (8, 1, 1), (1, 8)])
+def test_a_parameter_with_one_dimension_above_one_is_a_vector(shape):
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(shape))
+    r = route(model)[0]
+    assert (r.path, r.detail) == ("adamw", "at most one dimension above 1")
+
+
+def test_the_head_of_an_nn_sequential_model_is_its_last_linear_map():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(),
+                          nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    routes = routes_by_name(model)
+    assert [n for n, r in routes.items() if r.path == "matrix"] == ["2.weight", "4.weight"]
+    assert routes["6.weight"].rule == "head" and routes["0.weight"].rule == "input"
+
+
+def test_the_head_inside_a_classifier_container_is_its_last_linear_map():
+    model = nn.Module()
+    model.features = nn.Conv2d(3, 4, 3)
+    model.classifier = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    routes = routes_by_name(model)
+    assert routes["classifier.0.weight"].path == "matrix"
+    assert routes["classifier.2.weight"].rule == "head"
+    assert routes_by_name(model, head_names=())["classifier.2.weight"].path == "matrix"
+
+
+def test_the_first_conv_rule_needs_the_conv_to_be_the_first_linear_map():
+    """A depthwise conv inside a block (Mamba-style) is no stem."""
+    model = nn.Module()
+    model.embed = nn.Embedding(10, 8)
+    model.in_proj = nn.Linear(8, 8)
+    model.conv1d = nn.Conv1d(8, 8, 3, groups=8)
+    routes = routes_by_name(model)
+    assert routes["conv1d.weight"].path == "matrix"
+    assert routes["embed.weight"].rule == "embedding"
+
+
+def test_transposed_convolutions_are_read_as_out_by_in():
+    model = nn.Module()
+    model.stem = nn.Conv2d(3, 4, 1)
+    model.up = nn.ConvTranspose2d(4, 6, 3)  # stored (in=4, out=6, 3, 3)
+    r = routes_by_name(model)["up.weight"]
+    assert (r.path, r.layout, r.seen_as) == ("matrix", {"transposed": True}, "(6, 36)")
+
+
+def test_fused_projections_are_split_only_on_request():
+    model = nn.Module()
+    model.attn = nn.MultiheadAttention(8, 2)
+    model.rnn = nn.GRU(4, 8)
+    model.block = nn.Module()
+    model.block.qkv = nn.Linear(8, 24)
+    model.block.mlp = nn.Module()
+    model.block.mlp.gate_up_proj = nn.Linear(8, 32)
+    whole = routes_by_name(model)
+    assert all("splits" not in r.layout for r in whole.values())
+    assert "split_fused=True splits it" in whole["block.qkv.weight"].detail
+    split = routes_by_name(model, split_fused=True)
+    assert split["attn.in_proj_weight"].seen_as == "3×(8, 8)"
+    assert split["rnn.weight_ih_l0"].seen_as == "3×(8, 4)"
+    assert split["rnn.weight_hh_l0"].seen_as == "3×(8, 8)"
+    assert split["block.qkv.weight"].seen_as == "3×(8, 8)"
+    assert split["block.mlp.gate_up_proj.weight"].seen_as == "2×(16, 8)"
+    assert split["attn.out_proj.weight"].seen_as == "(8, 8)"
+
+
+def test_grouped_query_qkv_is_split_by_the_modules_head_counts():
+    model = nn.Module()
+    model.self_attn = nn.Module()
+    model.self_attn.num_heads, model.self_attn.num_key_value_heads = 4, 1
+    model.self_attn.head_dim = 2
+    model.self_attn.qkv_proj = nn.Linear(8, 12)  # 4·2 + 2·1·2 outputs
+    r = routes_by_name(model, split_fused=True)["self_attn.qkv_proj.weight"]
+    assert r.layout["splits"] == (8, 2, 2)
+
+
+def test_overrides_for_custom_layers():
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in_out = nn.Parameter(torch.randn(4, 6))  # used as x @ w: (in, out)
+            self.bank = nn.Parameter(torch.randn(3, 5, 4))  # three (out, in) matrices
+            self.fused = nn.Parameter(torch.randn(9, 4))
+
+    model = nn.Module()
+    model.layer = Custom()
+    routes = routes_by_name(model, transposed=["*.w_in_out"], stacked=[model.layer.bank],
+                            splits={"layer.fused": [3, 6]})
+    assert routes["layer.w_in_out"].seen_as == "(6, 4)"
+    assert routes["layer.bank"].seen_as == "3×(5, 4)"
+    assert routes["layer.fused"].seen_as == "(3, 4) + (6, 4)"
+    with pytest.raises(ValueError, match=r"^transposed: '\*\.nothing' matches no parameter"):
+        route(model, transposed=["*.nothing"])
+    with pytest.raises(ValueError, match=r"^splits: \[4, 4\] must add up to the 9 outputs"):
+        route(model, splits={"layer.fused": [4, 4]})
+
+
+def test_layouts_become_named_groups_the_optimizer_checks():
+    model = nn.Module()
+    model.a = nn.Linear(4, 4)
+    model.b = nn.Linear(4, 12)
+    model.c = nn.Parameter(torch.randn(4, 6))
+    groups = param_groups(model, transposed=["c"], splits={"b.weight": [4, 8]},
+                          muon_hparams={"name": "muon"}, adamw_hparams={"name": "adamw"})
+    assert [(g["name"], len(g["params"])) for g in groups] == [
+        ("muon", 1), ("muon_transposed", 1), ("muon_split", 1), ("adamw", 2)]
+    assert groups[1]["transposed"] is True and groups[2]["splits"] == (4, 8)
+    opt = MuonEq(groups, lr=0.01)
+    assert [g["splits"] for g in opt.param_groups] == [None, None, (4, 8), None]
+
+
+def test_describe_prints_one_row_per_tensor_with_its_rule(capsys):
+    model = TinyLM(tied=True)
+    param_groups(model, summary=True, split_fused=True)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["parameter", "stored", "optimizer", "sees", "path", "rule"]
+    row = next(line for line in lines if line.startswith("embed_tokens.weight"))
+    assert "(= lm_head.weight)" in row and "tied to lm_head.weight" in row
+    row = next(line for line in lines if line.startswith("blocks.0.attn.weight"))
+    assert row.split()[1:5] == ["(24,", "8)", "(24,", "8)"] and "linear map: Linear" in row
+    assert "matrix (Muon-type):    4 tensors, 896 parameters" in out
+    assert describe(model, split_fused=True) in out

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from muoneq.registry import OPTIMIZERS
 from muoneq.runtime.config import ConfigError, compose, conf_dir
 from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
-from muoneq.runtime.tasks import BUILTIN_TASKS
+from muoneq.runtime.tasks import task_names as registered_tasks
 
 CONF = conf_dir()
 PAPER = ("experiment=cifar10_resnet18",)
@@ -78,7 +78,7 @@ def test_every_optimizer_file_composes_and_builds(path):
 def test_every_registered_optimizer_and_task_has_a_file():
     assert {p.stem for p in (CONF / "optimizer").glob("*.yaml")} >= set(OPTIMIZERS)
     task_names = {OmegaConf.load(p).get("name", p.stem) for p in (CONF / "task").glob("*.yaml")}
-    assert task_names >= set(BUILTIN_TASKS)
+    assert task_names >= set(registered_tasks())
 
 
 def test_schema_types_come_from_the_signature():

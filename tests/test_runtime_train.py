@@ -22,8 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
 from muoneq.runtime.run import find_resume_checkpoint
-from muoneq.tasks.vision.cifar10_data import load_cifar10, normalize
-from muoneq.tasks.vision.resnet import CifarResNet
+from tasks.vision.cifar10_data import load_cifar10, normalize
+from tasks.vision.resnet import CifarResNet
 
 EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
 

@@ -396,11 +396,11 @@ def test_a_study_refuses_changed_fixed_settings(tmp_path):
                     f"rm -r {tmp_path / 'runs' / 'tiny'}"):
         assert way_out in message, message
     grown = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0, 1, 2]))  # may grow
-    assert len(Driver(grown, options(tmp_path)).expected) == 6
+    assert len(Driver(grown, options(tmp_path)).ledger.expected) == 6
 
 
 def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
-    from muoneq.sweeps.driver import trial_command
+    from muoneq.sweeps.launch import trial_command
 
     torchrun = ("torchrun --standalone --nproc_per_node={nproc} -m muoneq train "
                 "experiment={experiment} {overrides} seed={seed} run.dir={run_dir} resume=auto")
@@ -410,7 +410,7 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
                                   overrides=["trainer.max_epochs=1"]))
     driver = Driver(spec, options(tmp_path, workers=2, devices=["0", "1", "2", "3"]))
     assert driver.validated == 2  # both points compose as `muoneq train` configs
-    assert driver._slots == [["0", "1"], ["2", "3"]]
+    assert driver.slots == [["0", "1"], ["2", "3"]]
     point = spec.points()[1]
     argv, env, fingerprint = trial_command(spec, point, 1, Path("runs/x"), devices=["2", "3"],
                                            worker=1)
@@ -434,19 +434,19 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_finished_after_its_driver_died_is_told_not_rerun(tmp_path):
-    from muoneq.sweeps.driver import trial_command
+    from muoneq.sweeps.launch import trial_command
 
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
         {"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]))
     dead = Driver(spec, options(tmp_path))
-    kind, trial, point, seeds, key = dead._next_job(0)  # asked and recorded as dead's trial
-    run_dir = dead._run_dir(point, 0)
-    argv, env, _ = trial_command(spec, point, 0, run_dir)
+    job = dead.scheduler.next_job()  # asked and recorded as dead's trial
+    run_dir = job.point.run_dir(dead.study_dir, 0)
+    argv, env, _ = trial_command(spec, job.point, 0, run_dir)
     subprocess.run(argv, env=env, check=True, capture_output=True)  # the process finishes,
     # but its driver died before telling: it never held its lock file, as after a SIGKILL.
     summary = Driver(spec, options(tmp_path)).run()
     assert (summary.done, summary.total) == (1, 1)
     (t,) = load(tmp_path).get_trials()
-    assert (t.number, t.state) == (trial.number, TrialState.COMPLETE)
+    assert (t.number, t.state) == (job.number, TrialState.COMPLETE)
     assert t.value == json.loads((run_dir / "metrics.json").read_text())["val_loss"]
     assert (run_dir / "starts.log").read_text().count("\n") == 1

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from muoneq.functional import matrix_shape
+from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, decay, nonnegative
@@ -57,7 +57,7 @@ class AdaMuon(HybridOrthogonalOptimizer):
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg_sq"] = p.new_zeros(matrix_shape(p))
+        state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         v = state["exp_avg_sq"]

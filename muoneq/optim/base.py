@@ -55,15 +55,17 @@ class OptimizerBase(torch.optim.Optimizer):
     #: name → :class:`Hyper`; a subclass's table extends (and may override) its bases'.
     hyperparameters: ClassVar[dict[str, Hyper]] = {}
     #: Group keys introduced after state dicts were first written (name → the value that
-    #: reproduces the older behaviour): a state dict without them loads with these values.
+    #: reproduces the older behaviour): a state dict without them loads with these values. A
+    #: subclass's table extends its bases'.
     added_keys: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        table = {}
+        table, added = {}, {}
         for klass in reversed(cls.__mro__):
             table.update(klass.__dict__.get("hyperparameters", {}))
-        cls.hyperparameters = table
+            added.update(klass.__dict__.get("added_keys", {}))
+        cls.hyperparameters, cls.added_keys = table, added
         cls.__signature__ = _signature(cls)
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], **hyperparameters):

@@ -5,8 +5,8 @@ and, on one process, each matrix's direction itself (one matrix at a time, the C
 Every other layout goes through an executor, which moves data around the same :class:`Work`
 (the optimizer's ``M̃``, direction and update functions):
 
-* :func:`compute` — directions on this rank, per matrix or, for stateless directions, as
-  stacks of same-shape matrices in one batched call (the accelerator default);
+* :func:`compute` — directions on this rank, per matrix (the CPU default) or, for stateless
+  directions, as stacks of same-shape matrices in one batched call (the accelerator default);
 * :func:`split_replicated` — replicated parameters under DDP: every matrix has one owner rank,
   balanced by FLOPs (:func:`balance`), and one ``all_gather`` gives every rank every
   direction;
@@ -15,6 +15,11 @@ Every other layout goes through an executor, which moves data around the same :c
   returns each rank its rows of the direction (the scheme of microsoft/dion);
 * :func:`gather_whole` — row-sharded parameters of methods with state of their own: every
   rank gathers whole matrices, computes every direction and keeps its rows.
+
+Every executor moves parameters in their stored layout and hands :func:`compute` whole stored
+tensors; :func:`compute` alone cuts them into the matrices the method sees and writes the
+directions back in the stored layout (:class:`muoneq.layout.MatrixLayout`: transposed storage,
+expert banks, fused blocks), so each layout is right in every execution path.
 
 Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n; see
 :func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums span
@@ -35,13 +40,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muoneq.layout import MatrixLayout
+
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
 STACK_ELEMENTS = 1 << 26
 
-#: ``sink(slot, direction)``: receives the whole-matrix direction of one slot.
+#: ``sink(slot, direction)``: receives the whole direction of one slot, in its stored layout.
 Sink = Callable[["MatrixSlot", Tensor], None]
 
 
@@ -50,29 +57,29 @@ class MatrixSlot:
     """One matrix parameter in one optimizer step, as this rank sees it.
 
     ``value``, ``grad`` and ``momentum`` are the local tensors (a ``DTensor``'s local shard,
-    updated in place); ``shape`` is the global matrix shape ``(out, in·kh·kw)``.
+    updated in place), in the stored layout; ``layout`` says which matrices the whole
+    parameter holds.
     """
 
     param: Tensor
     value: Tensor
     grad: Tensor
     momentum: Tensor
-    shape: tuple[int, int]
-
+    layout: MatrixLayout
 
 
 @dataclass(eq=False)
 class Work:
     """What an executor needs from the optimizer for one param group's step."""
 
-    #: this rank's ``M̃`` of a slot (rows first), in scratch that is valid until the next call
+    #: this rank's ``M̃`` of a slot (stored layout), in scratch that is valid until the next call
     m_tilde: Callable[[MatrixSlot], Tensor]
     #: ``(p, M̃, state) → direction`` for one whole matrix (``p = state = None`` for a stack)
     direction: Callable
-    #: ``X ← (1 − ηλ)X − aη·direction`` on this rank's part of a slot
+    #: ``X ← (1 − ηλ)X − aη·direction`` on this rank's part of a slot (stored layout)
     apply: Sink
     #: FLOPs of one direction of an m×n matrix (what the owners' split balances)
-    cost: Callable[[tuple[int, int]], float]
+    block_cost: Callable[[tuple[int, int]], float]
     #: dtype of the directions on the wire (the Newton–Schulz dtype: nothing rounds twice)
     dtype: torch.dtype
     #: per-parameter state of the optimizer
@@ -81,35 +88,70 @@ class Work:
     stacked: bool
 
     def whole_m_tilde(self, slot: MatrixSlot) -> Callable[[], Tensor]:
-        return lambda: self.m_tilde(slot).reshape(slot.shape)
+        """``M̃`` of a replicated slot (its local tensor is the whole parameter)."""
+        return lambda: self.m_tilde(slot)
+
+    def cost(self, slot: MatrixSlot) -> float:
+        """FLOPs of a slot's directions: the sum over its blocks."""
+        return sum(self.block_cost(shape) for shape in slot.layout.blocks)
 
 
 def compute(items: list, work: Work, sink: Sink) -> None:
-    """Directions of ``(slot, whole-M̃ thunk)`` items computed on this rank, given to ``sink``.
+    """Directions of ``(slot, whole stored M̃ thunk)`` items computed on this rank; ``sink``
+    receives each slot's whole direction in its stored layout.
 
-    Per matrix, or as stacks of same-shape matrices in one batched call (``work.stacked``:
-    one launch per Newton–Schulz product for the whole stack, at most :data:`STACK_ELEMENTS`
+    Each ``M̃`` is cut into the blocks of its layout (:meth:`MatrixLayout.matrices`), each block
+    gets its own direction, and the directions are written back in the stored layout. Per
+    matrix, or as stacks of same-shape blocks in one batched call (``work.stacked``: one
+    launch per Newton–Schulz product for the whole stack, at most :data:`STACK_ELEMENTS`
     elements at a time).
     """
+    assembled: dict[int, list] = {}  # id(slot) -> [stored-layout buffer, blocks still missing]
+
+    def deliver(slot: MatrixSlot, index: int, direction: Tensor) -> None:
+        layout = slot.layout
+        blocks = len(layout.blocks)
+        if blocks == 1:
+            sink(slot, layout.stored_view(direction))
+            return
+        entry = assembled.setdefault(id(slot), [None, blocks])
+        if entry[0] is None:
+            entry[0] = torch.empty(layout.stored, dtype=direction.dtype, device=direction.device)
+        layout.put(entry[0], index, direction)  # copied now: direction may be reused scratch
+        entry[1] -= 1
+        if entry[1] == 0:
+            sink(slot, assembled.pop(id(slot))[0])
+
     if not work.stacked:
         for slot, thunk in items:
-            sink(slot, work.direction(slot.param, thunk(), work.state(slot.param)))
+            state = work.state(slot.param)
+            for i, block in enumerate(slot.layout.matrices(thunk())):
+                deliver(slot, i, work.direction(slot.param, block, state))
         return
+    cached: list = [None, None]  # the slot whose M̃ blocks are at hand, and its blocks
+
+    def block_of(slot: MatrixSlot, index: int, thunk) -> Tensor:
+        if cached[0] is not slot:  # M̃ lives in scratch: only the latest slot's is valid
+            cached[:] = [slot, slot.layout.matrices(thunk())]
+        return cached[1][index]
+
     buckets: dict[tuple, list] = {}
     for slot, thunk in items:
-        buckets.setdefault((slot.shape, slot.grad.dtype, slot.grad.device), []).append(
-            (slot, thunk))
+        for i, shape in enumerate(slot.layout.blocks):
+            buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
+                (slot, i, thunk))
     for (shape, dtype, device), bucket in buckets.items():
         per_stack = max(1, STACK_ELEMENTS // math.prod(shape))
         for start in range(0, len(bucket), per_stack):
             chunk = bucket[start : start + per_stack]
             stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
-            for j, (_, thunk) in enumerate(chunk):
-                stack[j].copy_(thunk())
+            for j, (slot, i, thunk) in enumerate(chunk):
+                stack[j].copy_(block_of(slot, i, thunk))
+            cached[:] = [None, None]
             directions = work.direction(None, stack, None)
             del stack
-            for j, (slot, _) in enumerate(chunk):
-                sink(slot, directions[j])
+            for j, (slot, i, _) in enumerate(chunk):
+                deliver(slot, i, directions[j])
 
 
 def is_dtensor(t) -> bool:
@@ -171,6 +213,15 @@ def row_shard_dim(p: Tensor) -> int | None:
     )
 
 
+def row_offset(p: Tensor) -> int:
+    """The first stored row of ``p`` this rank holds: 0 unless ``p`` is row-sharded."""
+    dim = row_shard_dim(p)
+    if dim is None:
+        return 0
+    mesh = p.device_mesh
+    return shard_rows(p.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)][0]
+
+
 def check_same_gradients(slots: Sequence[MatrixSlot], group) -> None:
     """Raise unless every rank holds the same gradients (one fingerprint per matrix).
 
@@ -195,15 +246,15 @@ def split_replicated(slots: Sequence[MatrixSlot], work: Work, group) -> None:
     """DDP: each rank computes the directions it owns, then all ranks receive all of them
     (gradients must be the same on every rank: :func:`check_same_gradients`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owners = balance([work.cost(s.shape) for s in slots], world)
+    owners = balance([work.cost(s) for s in slots], world)
     offsets, filled = [], [0] * world
     for s, owner in zip(slots, owners, strict=True):
         offsets.append(filled[owner])
-        filled[owner] += math.prod(s.shape)
+        filled[owner] += s.value.numel()
     width = max(filled)
     device, dtype = slots[0].value.device, work.dtype
     send = torch.empty(width, dtype=dtype, device=device)
-    where = {id(s): (off, s.shape) for s, off in zip(slots, offsets, strict=True)}
+    where = {id(s): (off, s.value.shape) for s, off in zip(slots, offsets, strict=True)}
 
     def into_send(slot: MatrixSlot, direction: Tensor) -> None:
         off, shape = where[id(slot)]
@@ -215,30 +266,35 @@ def split_replicated(slots: Sequence[MatrixSlot], work: Work, group) -> None:
     _all_gather_single(received, send, group=group)
     for s, owner, off in zip(slots, owners, offsets, strict=True):
         start = owner * width + off
-        work.apply(s, received[start : start + math.prod(s.shape)].view(s.shape))
+        work.apply(s, received[start : start + s.value.numel()].view(s.value.shape))
 
 
 def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) -> None:
     """FSDP2: gather whole ``M̃`` matrices on their owners, scatter the directions' rows back.
 
-    ``work.apply`` receives this rank's rows of each direction, shaped ``(rows, n)``. All slots
-    share one device mesh; ``mesh_dim`` is the dimension they are sharded along.
+    Rows are those of the stored tensor (a transposed weight's inputs, an expert bank's
+    experts): the owner assembles the whole stored tensor, so the layout's blocks are cut from
+    whole matrices whatever the sharding. ``work.apply`` receives this rank's rows of each
+    direction, shaped ``(rows, width)``. All slots share one device mesh; ``mesh_dim`` is the
+    dimension they are sharded along.
     """
     mesh = slots[0].param.device_mesh
     group, world = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
     rank = mesh.get_local_rank(mesh_dim)
-    owners = balance([work.cost(s.shape) for s in slots], world)
-    # sizes[i][r]: elements of slot i held by rank r
-    sizes = []
+    owners = balance([work.cost(s) for s in slots], world)
+    # sizes[i][r]: elements of slot i held by rank r; widths[i]: elements per stored row
+    sizes, widths = [], []
     for s in slots:
-        layout = shard_rows(s.shape[0], world)
+        stored = s.layout.stored
+        layout = shard_rows(stored[0], world)
         if s.value.shape[0] != layout[rank][1]:
             raise NotImplementedError(
                 f"a row-sharded parameter of shape {tuple(s.param.shape)} holds "
                 f"{s.value.shape[0]} rows on rank {rank}, expected {layout[rank][1]} "
                 "(torch.chunk's even split, as fully_shard makes it)"
             )
-        sizes.append([length * s.shape[1] for _, length in layout])
+        widths.append(math.prod(stored[1:]))
+        sizes.append([length * widths[-1] for _, length in layout])
     mine = [i for i, owner in enumerate(owners) if owner == rank]
     device = slots[0].value.device
 
@@ -265,7 +321,7 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
         def assemble() -> Tensor:
             parts = [received[recv_at[i][src] : recv_at[i][src] + sizes[i][src]]
                      for src in range(world)]
-            return torch.cat(parts).view(slots[i].shape)
+            return torch.cat(parts).view(slots[i].layout.stored)
         return assemble
 
     back = torch.empty(sum(recv_counts), dtype=work.dtype, device=device)
@@ -273,11 +329,11 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
 
     def into_back(slot: MatrixSlot, direction: Tensor) -> None:
         i = index[id(slot)]
-        first = 0
+        rows, first = direction.reshape(-1, widths[i]), 0
         for src in range(world):
-            length = sizes[i][src] // slot.shape[1]
+            length = sizes[i][src] // widths[i]
             piece = back[recv_at[i][src] : recv_at[i][src] + sizes[i][src]]
-            piece.view(length, slot.shape[1]).copy_(direction[first : first + length])
+            piece.view(length, widths[i]).copy_(rows[first : first + length])
             first += length
 
     compute([(slots[i], whole(i)) for i in mine], work, into_back)
@@ -287,17 +343,18 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
     dist.all_to_all_single(directions, back, send_counts, recv_counts, group=group)
     for i, s in enumerate(slots):
         start, size = send_at[i], sizes[i][rank]
-        work.apply(s, directions[start : start + size].view(size // s.shape[1], s.shape[1]))
+        work.apply(s, directions[start : start + size].view(size // widths[i], widths[i]))
 
 
 def gather_whole(slots: Sequence[MatrixSlot], work: Work) -> None:
     """FSDP2, a method with state of its own: every rank computes every direction from whole
-    matrices (the parameter with its gradient, ``M̃`` and the state), then keeps its rows."""
+    matrices (the parameter with its gradient, ``M̃`` and the state), then keeps its rows.
+    Such methods keep one state per parameter, so their layouts have one block."""
     for s in slots:
         p = s.param
         whole_p = p.full_tensor()
         whole_p.grad = p.grad.full_tensor()
-        m_tilde = full_tensor(p, work.m_tilde(s)).reshape(s.shape)
+        (m_tilde,) = s.layout.matrices(full_tensor(p, work.m_tilde(s)))
         state = work.state(p)
         whole_state = {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}
         direction = work.direction(whole_p, m_tilde, whole_state)
@@ -306,7 +363,7 @@ def gather_whole(slots: Sequence[MatrixSlot], work: Work) -> None:
                 local(state[k]).copy_(local_part(state[k], v))
             else:
                 state[k] = v
-        work.apply(s, local_part(p, direction.reshape(p.shape)))
+        work.apply(s, local_part(p, s.layout.stored_view(direction)))
 
 
 def _offsets(sizes, owners, rank, world):
@@ -341,9 +398,7 @@ def full_tensor(like: Tensor, local_part: Tensor) -> Tensor:
 def local_part(like: Tensor, whole: Tensor) -> Tensor:
     """This rank's shard of ``whole``, laid out like the DTensor ``like`` (rows under
     ``Shard(0)``)."""
-    dim = row_shard_dim(like)
-    if dim is None:
+    if row_shard_dim(like) is None:
         return whole
-    mesh = like.device_mesh
-    start, length = shard_rows(whole.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]
-    return whole[start : start + length]
+    start = row_offset(like)
+    return whole[start : start + local(like).shape[0]]

@@ -14,11 +14,14 @@ One optimizer object serves a whole model. Each param group is either
 
 A subclass declares its own hyper-parameters (:class:`~muoneq.optim.base.Hyper`), overrides
 :meth:`_direction`, and :meth:`_init_matrix_state` when it keeps state beyond the momentum.
-Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``.
+Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
+the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
+(:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
+layers).
 
-On one process each matrix's direction is computed right here, one matrix at a time (the CPU
-default); stacks of same-shape matrices (the accelerator default), the DDP split and FSDP2's
-row shards go through :mod:`muoneq.optim.executors`. Every path gives the one-process result.
+Where each direction is computed — one matrix at a time on this process (the CPU default),
+stacks of same-shape matrices (the accelerator default), the DDP split, FSDP2's row shards —
+is :mod:`muoneq.optim.executors`' business. Every path gives the one-process result.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.functional import LR_ADJUST, lr_scale, matrix_shape, nesterov_input, update_parameter
+from muoneq.functional import LR_ADJUST, lr_scale, nesterov_input, update_parameter
+from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Workspace,
     dtype_name,
@@ -39,7 +43,7 @@ from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 from muoneq.optim.base import Hyper, OptimizerBase
 from muoneq.optim.checks import betas, boolean, choice, converted, decay, integer, nonnegative
-from muoneq.optim.executors import MatrixSlot, Work, local, row_shard_dim
+from muoneq.optim.executors import MatrixSlot, Work, local, row_offset, row_shard_dim
 
 BATCHING = ("auto", "per_matrix", "stacked")
 
@@ -50,7 +54,18 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     Hyper-parameters (constructor keywords and per-group keys): ``lr``, ``momentum``,
     ``nesterov``, ``weight_decay``, ``ns_steps``, ``ns_coefficients``, ``ns_dtype``,
     ``lr_adjust``, ``adamw_betas``, ``adamw_eps`` (see :class:`muoneq.MuonEq`), and the group
-    key ``use_muon`` (default True). Options of how, not what, is computed:
+    key ``use_muon`` (default True). Group keys describing how the group's matrices are stored
+    (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them):
+
+    * ``transposed`` (default False): stored as ``(in, out, …)`` — ``transformers``' ``Conv1D``,
+      transposed convolutions — and updated as the ``(out, in·…)`` matrix;
+    * ``batch_dims`` (default 0): leading dimensions that index separate matrices (MoE expert
+      banks ``(experts, out, in)``);
+    * ``splits`` (default None): row counts of the blocks of a fused weight (Q, K, V;
+      gate, up), each equilibrated, orthogonalized and scaled as a matrix of its own
+      (stateless directions only).
+
+    Options of how, not what, is computed:
 
     * ``distributed``: ``"auto"`` (default) splits the matrices of a step between the ranks of
       ``process_group`` (default: the world) when ``torch.distributed`` is initialized with more
@@ -76,7 +91,12 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "adamw_betas": Hyper((0.9, 0.95), betas),
         "adamw_eps": Hyper(1e-8, nonnegative, annotation=float),
         "use_muon": Hyper(True, boolean, argument=False),
+        # how the group's parameters are stored (muoneq.layout): group keys, not arguments
+        "transposed": Hyper(False, boolean, when="use_muon", argument=False),
+        "batch_dims": Hyper(0, integer(0), when="use_muon", argument=False),
+        "splits": Hyper(None, check_splits, when="use_muon", argument=False),
     }
+    added_keys = {"transposed": False, "batch_dims": 0, "splits": None}
 
     #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only (it ignores
     #: ``p`` and ``state``, may be called with ``p = state = None``) and accepts a batch
@@ -134,6 +154,14 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                     "(use_muon=True) group; orthogonalized updates are defined for real "
                     "matrices: put it in a use_muon=False (AdamW) group"
                 )
+            layout = MatrixLayout.of(p, group)
+            if len(layout.blocks) > 1 and not self.stateless_direction:
+                raise ValueError(
+                    f"splits/batch_dims: {name} keeps state per matrix parameter, so a "
+                    f"parameter of shape {tuple(p.shape)} must be one matrix (got "
+                    f"{layout.describe()}); split fused weights with MuonEq or Muon, or leave "
+                    "splits=None and batch_dims=0"
+                )
 
     # ----------------------------------------------------------------- state
     def _init_state(self, p: Tensor, group: dict) -> None:
@@ -143,17 +171,20 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             init_adamw_state(p, self.state[p])
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
-        """Persistent state of a matrix parameter: one momentum buffer (as Muon)."""
+        """Persistent state of a matrix parameter: one momentum buffer (as Muon), in the
+        stored layout (state of a method's own is kept in the matrix view,
+        ``MatrixLayout.of(p, group).matrix``)."""
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     # ----------------------------------------------------------------- the update
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Map the (Nesterov-mixed) momentum, viewed as a matrix, to the update direction.
 
-        ``p``, ``m_tilde`` and ``state`` are whole (under FSDP2 they are gathered for methods
-        that are not :attr:`stateless_direction`). ``m_tilde`` is scratch (the method may
-        overwrite it); the returned tensor is consumed before the next call (it may live in a
-        reused buffer).
+        ``m_tilde`` is one ``(out, in·…)`` matrix (a block of ``p`` when its group has
+        ``splits`` or ``batch_dims``), whatever ``p``'s stored layout. ``p``, ``m_tilde`` and
+        ``state`` are whole (under FSDP2 they are gathered for methods that are not
+        :attr:`stateless_direction`). ``m_tilde`` is scratch (the method may overwrite it); the
+        returned tensor is consumed before the next call (it may live in a reused buffer).
         """
         raise NotImplementedError
 
@@ -174,19 +205,14 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                              weight_decay=group["weight_decay"])
                 continue
             slots = [MatrixSlot(p, local(p), local(p.grad),
-                                local(self.state[p]["momentum_buffer"]), matrix_shape(p))
+                                local(self.state[p]["momentum_buffer"]), MatrixLayout.of(p, group))
                      for p in params]
             torch._foreach_lerp_([s.momentum for s in slots], [s.grad for s in slots],
                                  1 - group["momentum"])  # line 5: M ← βM + (1−β)G
             replicated = [s for s in slots if row_shard_dim(s.param) is None]
             work = self._work(group, replicated or slots)
             split = self._split_group() if replicated else None
-            if split is None and not work.stacked:
-                for s in replicated:  # lines 6–13, one matrix at a time, on this process
-                    m_tilde = self._m_tilde(s, group).reshape(s.shape)
-                    self._apply(s, self._direction(s.param, m_tilde, self.state[s.param], group),
-                                group)
-            elif split is None:
+            if split is None:  # lines 6–13 for every matrix, on this process
                 executors.compute([(s, work.whole_m_tilde(s)) for s in replicated], work,
                                   work.apply)
             else:
@@ -208,14 +234,30 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         return out.copy_(slot.momentum)
 
     def _apply(self, slot: MatrixSlot, direction: Tensor, group: dict) -> None:
-        """Line 13 on this rank's part of the parameter (a direction in another dtype is cast
-        into the ``M̃`` buffer, free by now)."""
-        value = slot.value
-        update_parameter(
-            value, direction, lr=group["lr"], weight_decay=group["weight_decay"],
-            scale=lr_scale(slot.shape, group["lr_adjust"]),
-            buffer=self._workspace.take("m_tilde", value.shape, value.dtype, value.device),
-        )
+        """Line 13 on this rank's part of the parameter, ``direction`` in the stored layout (a
+        direction in another dtype is cast into the ``M̃`` buffer, free by now).
+
+        Each block of the layout is updated with the shape factor of its own ``(rows, n)``, on
+        a contiguous ``(rows, in, k…)`` copy when the stored block is not one, so that it gets
+        exactly the update of the same weights stored as an ``nn.Linear``.
+        """
+        value, layout = slot.value, slot.layout
+        if layout.plain:
+            pieces = [(layout.matrix, value, direction)]
+        else:
+            start, direction = row_offset(slot.param), direction.reshape(value.shape)
+            pieces = [(shape, v, d) for (shape, v), (_, d) in
+                      zip(layout.pieces(value, start), layout.pieces(direction, start),
+                          strict=True)]
+        for shape, target, d in pieces:
+            work = target if target.is_contiguous() else target.contiguous()
+            update_parameter(
+                work, d, lr=group["lr"], weight_decay=group["weight_decay"],
+                scale=lr_scale(shape, group["lr_adjust"]),
+                buffer=self._workspace.take("m_tilde", work.shape, work.dtype, work.device),
+            )
+            if work is not target:
+                target.copy_(work)
 
     def _work(self, group: dict, slots: list[MatrixSlot]) -> Work:
         stacked = self.stateless_direction and (
@@ -225,7 +267,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             m_tilde=lambda s: self._m_tilde(s, group),
             direction=lambda p, m_tilde, state: self._direction(p, m_tilde, state, group),
             apply=lambda s, direction: self._apply(s, direction, group),
-            cost=lambda shape: self._direction_flops(shape, group),
+            block_cost=lambda shape: self._direction_flops(shape, group),
             dtype=resolve_dtype(group["ns_dtype"]), state=self.state.__getitem__,
             stacked=stacked,
         )

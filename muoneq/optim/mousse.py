@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muoneq.functional import matrix_shape
+from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, integer, nonnegative
@@ -81,7 +81,7 @@ class Mousse(HybridOrthogonalOptimizer):
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
-        m, n = matrix_shape(p)
+        m, n = MatrixLayout.of(p, group).matrix
         like = {"dtype": torch.promote_types(p.dtype, torch.float32), "device": p.device}
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for side, size in (("L", m), ("R", n)):
@@ -104,7 +104,8 @@ class Mousse(HybridOrthogonalOptimizer):
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         L, R = state["L"], state["R"]
         # contiguous: a strided gradient would take another BLAS path and round differently
-        G = p.grad.reshape(L.shape[0], R.shape[0]).to(L.dtype).contiguous()
+        (G,) = MatrixLayout.of(p, group).matrices(p.grad)
+        G = G.to(L.dtype).contiguous()
         beta = group["precond_beta"]
         L.mul_(beta).addmm_(G, G.T, alpha=1 - beta)
         R.mul_(beta).addmm_(G.T, G, alpha=1 - beta)

@@ -38,8 +38,10 @@ class MuonEq(HybridOrthogonalOptimizer):
     parameter is its momentum buffer: DiagPre is recomputed from ``M̃`` each step.
 
     Args:
-        params: parameters or param groups (see :func:`muoneq.param_groups`). Every other
-            argument is keyword-only; those before ``distributed`` are also per-group keys.
+        params: parameters or param groups (see :func:`muoneq.param_groups`, which also sets
+            the group keys ``transposed``, ``batch_dims`` and ``splits`` of weights stored
+            other than ``(out, in·…)``: :mod:`muoneq.layout`). Every other argument is
+            keyword-only; those before ``distributed`` are also per-group keys.
         lr: learning rate ``η``.
         momentum: ``β`` in [0, 1).
         nesterov: use the Nesterov input ``M̃`` (the paper's "-Nes" variants).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muoneq.functional import matrix_shape
+from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
@@ -51,7 +51,7 @@ class NorMuon(HybridOrthogonalOptimizer):
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
-        state["second_moment"] = p.new_zeros(matrix_shape(p)[0], 1)
+        state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         v = state["second_moment"]

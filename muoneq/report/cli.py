@@ -17,8 +17,8 @@ def main(argv: list[str]) -> int:
                     "plots and learning curves of a study to <study>/report/ and TensorBoard.",
     )
     p.add_argument("target", type=Path,
-                   help="a sweep file (sweeps/x.yaml: its report section is used) or a study "
-                        "folder (runs/x)")
+                   help="a sweep file (sweeps/x.yaml, or the name x of a sweep muoneq ships: "
+                        "its report section is used) or a study folder (runs/x)")
     p.add_argument("--storage", default=None, help="the study's storage, if not the default "
                    "journal file (e.g. postgresql://user@host/db)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"),

@@ -27,6 +27,7 @@ from typing import Any
 
 from scipy import stats
 
+from muoneq.report.schema import MetricColumn
 from muoneq.report.tables import (
     COUNTERPART,
     Cell,
@@ -36,7 +37,6 @@ from muoneq.report.tables import (
     axis_name,
     baseline_row,
 )
-from muoneq.sweeps.spec import MetricColumn
 
 CONFIDENCE = 0.95
 #: the optimizer every other one is compared with (besides a MuonEq variant's Muon)

@@ -14,7 +14,14 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from muoneq.sweeps.spec import Point, SweepError, SweepSpec, load_sweep, spec_from_dict
+from muoneq.sweeps.spec import (
+    Point,
+    SweepError,
+    SweepSpec,
+    load_sweep,
+    shipped_sweep,
+    spec_from_dict,
+)
 from muoneq.sweeps.storage import JOURNAL_NAME, open_storage, storage_label
 
 
@@ -72,20 +79,25 @@ def _point_key(axes: list[str], run: dict) -> str:
 
 def load_study_data(target: str | Path, *, storage: str | None = None,
                     runs_dir: str | Path = "runs") -> StudyData:
-    """Read a study given its sweep file (``sweeps/x.yaml``) or its folder (``runs/x``).
+    """Read a study given its sweep file (``sweeps/x.yaml``, or the name of a shipped one:
+    ``x``) or its folder (``runs/x``).
 
     With a sweep file, its ``report:`` section is used (edit it and re-run the report, no need
     to re-run the study); with a folder, the spec the study was run with (saved in storage).
     """
     target = Path(target)
-    if target.is_file():
-        spec = load_sweep(target)
+    sweep = target if target.is_file() else None
+    if sweep is None and not target.is_dir() and storage is None:
+        sweep = shipped_sweep(target)
+        if sweep is None:
+            raise SweepError(f"{target}: neither a sweep file, a study folder nor the name of "
+                             "a sweep muoneq ships (muoneq sweep --help lists them)")
+    if sweep is not None:
+        spec = load_sweep(sweep)
         study_dir = Path(runs_dir) / spec.study
         name = spec.study
-    elif target.is_dir() or storage is not None:
-        study_dir, name, spec = target, target.name, None
     else:
-        raise SweepError(f"{target}: neither a sweep file nor a study folder")
+        study_dir, name, spec = target, target.name, None
     if storage is None and not (study_dir / JOURNAL_NAME).exists():
         raise SweepError(f"no study at {study_dir / JOURNAL_NAME}; run `muoneq sweep` first, "
                          "or pass --storage / --runs-dir")

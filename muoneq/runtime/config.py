@@ -39,6 +39,7 @@ from muoneq.errors import UserError
 from muoneq.runtime.optim import check_optimizer_config, optimizer_schema
 from muoneq.runtime.schedule import ScheduleInterval, ScheduleName
 from muoneq.runtime.tasks import task_config
+from muoneq.suite_files import suite_folder
 
 GROUPS = ("experiment", "task", "optimizer", "trainer")
 DEFAULT_CHOICES = {
@@ -232,10 +233,11 @@ class RunConfig:
 
 # --------------------------------------------------------------------------- locating files
 def conf_dir() -> Path:
-    """``$MUONEQ_CONF_DIR`` if set, else the ``conf/`` folder of this checkout."""
+    """``$MUONEQ_CONF_DIR`` if set (a config folder of one's own, used instead), else the
+    suite's ``conf/`` (shipped with the package, or the checkout's: :mod:`muoneq.suite_files`)."""
     if env := os.environ.get("MUONEQ_CONF_DIR"):
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "conf"
+    return suite_folder("conf")
 
 
 def group_file(group: str, choice: str, root: Path) -> Path:
@@ -246,8 +248,8 @@ def group_file(group: str, choice: str, root: Path) -> Path:
         path = root / group / f"{choice}.yaml"
     if not root.is_dir():
         raise ConfigError(
-            f"config folder {root} does not exist: run from a checkout of the repository or set "
-            "MUONEQ_CONF_DIR to its conf/ folder"
+            f"config folder {root} does not exist; point MUONEQ_CONF_DIR at a folder of configs "
+            "(<group>/<name>.yaml), or unset it to use the configs muoneq ships"
         )
     if not path.is_file():
         known = sorted(p.stem for p in (root / group).glob("*.yaml"))

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from muoneq.runtime.optim import build_optimizer_from_config
+from muoneq.runtime.optim import build_optimizer_from_config, routing_table
+from muoneq.runtime.record import atomic_write
 from muoneq.runtime.schedule import build_scheduler, schedule_warnings
+
+#: In the run folder: where each tensor went (matrix path or AdamW) and why.
+ROUTING_FILE = "routing.txt"
 
 
 def _as_dict(cfg: DictConfig | Mapping) -> dict:
@@ -92,8 +97,12 @@ class TaskModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimization
     def configure_optimizers(self):
-        """The model's single optimizer and its LR schedule (by step, or by epoch)."""
+        """The model's single optimizer and its LR schedule (by step, or by epoch); the run
+        folder gets ``routing.txt``, the path and matrix view of every tensor."""
         optimizer = build_optimizer_from_config(self.model, self.optimizer_config)
+        table = routing_table(self.model, self.optimizer_config)
+        if table is not None and self.trainer.is_global_zero:
+            atomic_write(Path(self.trainer.default_root_dir) / ROUTING_FILE, table + "\n")
         schedule = self.schedule_config
         interval = schedule.get("interval", "step")
         scheduler = build_scheduler(

@@ -11,7 +11,10 @@ names the key. Orthogonalized (hybrid) optimizers also take the routing keys:
   conv and 0-D/1-D tensors to AdamW; the paper's LLM recipe and Keller Jordan's advice);
   ``all_matrices`` — every tensor with ≥ 2 dims on the matrix path, only 0-D/1-D tensors on
   AdamW (the paper's CIFAR-10 recipe, stem conv and classifier included);
-* ``adamw_names``: extra substrings of parameter names sent to AdamW.
+* ``adamw_names``: extra substrings of parameter names sent to AdamW;
+* ``split_fused``: equilibrate and orthogonalize the blocks of fused projections separately
+  (Q/K/V in one weight, gate and up in one weight; off by default, as the paper's authors ran
+  them; :func:`muoneq.param_groups`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from muoneq.registry import OPTIMIZERS, build_optimizer
-from muoneq.routing import param_groups
+from muoneq.routing import describe, param_groups
 
 
 class Routing(Enum):
@@ -41,7 +44,7 @@ ROUTING_PRESETS: dict[Routing, dict] = {
 }
 
 #: Keys of the optimizer section that are not constructor arguments.
-RUNTIME_KEYS = ("name", "routing", "adamw_names")
+RUNTIME_KEYS = ("name", "routing", "adamw_names", "split_fused")
 
 
 def _schema_field(annotation: Any, default: Any) -> tuple[Any, dataclasses.Field]:
@@ -93,6 +96,7 @@ def optimizer_schema(name: str) -> type:
     if spec.hybrid:
         fields.append(("routing", Routing, dataclasses.field(default=Routing.default)))
         fields.append(("adamw_names", list[str], dataclasses.field(default_factory=list)))
+        fields.append(("split_fused", bool, dataclasses.field(default=False)))
     return dataclasses.make_dataclass(f"OptimizerConfig_{name}", fields)
 
 
@@ -111,6 +115,23 @@ def optimizer_hparams(cfg: DictConfig | dict) -> dict:
     return {k: _plain(v) for k, v in items if k not in RUNTIME_KEYS}
 
 
+def routing_options(cfg: DictConfig | dict) -> dict:
+    """Keyword arguments of :func:`muoneq.param_groups` for a hybrid optimizer's section."""
+    routing = cfg.get("routing", Routing.default)
+    routing = Routing[routing] if isinstance(routing, str) else routing
+    return {"adamw_names": tuple(cfg.get("adamw_names", ())),
+            "split_fused": bool(cfg.get("split_fused", False)), **ROUTING_PRESETS[routing]}
+
+
+def routing_table(model: nn.Module, cfg: DictConfig | dict) -> str | None:
+    """Where each tensor goes under the section's routing (:func:`muoneq.describe`); ``None``
+    for element-wise optimizers, which take every tensor alike."""
+    name = cfg["name"]
+    if not (name in OPTIMIZERS and OPTIMIZERS[name].hybrid):
+        return None
+    return describe(model, **routing_options(cfg))
+
+
 def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> torch.optim.Optimizer:
     """Build the one optimizer of ``model`` described by an optimizer section.
 
@@ -122,13 +143,8 @@ def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> tor
     name = cfg["name"]
     hparams = optimizer_hparams(cfg)
     if name in OPTIMIZERS and OPTIMIZERS[name].hybrid:
-        routing = cfg.get("routing", Routing.default)
-        routing = Routing[routing] if isinstance(routing, str) else routing
-        groups = param_groups(
-            model, adamw_names=tuple(cfg.get("adamw_names", ())),
-            muon_hparams={"name": "muon"}, adamw_hparams={"name": "adamw"},
-            **ROUTING_PRESETS[routing],
-        )
+        groups = param_groups(model, muon_hparams={"name": "muon"},
+                              adamw_hparams={"name": "adamw"}, **routing_options(cfg))
         return build_optimizer(name, groups, **hparams)
     return build_optimizer(name, [{"params": list(model.parameters()), "name": name}], **hparams)
 

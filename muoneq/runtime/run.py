@@ -4,6 +4,8 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
 
     config.yaml       the fully resolved config and its provenance (see
                       :mod:`muoneq.runtime.record`): what ran, its fingerprint, who ran it
+    routing.txt       every tensor's path (matrix/AdamW), the matrices the optimizer sees and
+                      the rule that decided it (:func:`muoneq.describe`)
     tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
     checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric)
     metrics.json      final figures; written last, only by a run that finished

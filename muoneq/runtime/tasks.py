@@ -3,16 +3,29 @@
 A builder receives the fully composed run config (``cfg.task`` typed by the task's own
 dataclass, ``cfg.optimizer``, ``cfg.schedule``, ``cfg.trainer``, ``cfg.seed``) and returns
 ``(module, datamodule)``: a :class:`~muoneq.runtime.TaskModule` and a
-:class:`~muoneq.runtime.TaskDataModule`. The built-in tasks are imported only when asked for,
-so a language run never imports torchvision and a vision run never imports tiktoken.
+:class:`~muoneq.runtime.TaskDataModule`.
+
+Tasks are found in one of two ways, both ending in :data:`TASKS`:
+
+* the entry points of the group ``muoneq.tasks`` (``name = "package.module:TASK"`` in a
+  distribution's ``pyproject.toml``): the suite's own tasks (``tasks/``) and any installed
+  third-party package, loaded on first use by name;
+* :func:`register_task`, for a workload defined in the running program.
+
+A task's ``TASK`` lives in a module that imports no Lightning (its package's ``__init__``) and
+its builder imports the heavy modules when called, so composing a config stays light and a
+language run never imports torchvision.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
+from importlib.metadata import entry_points
 from typing import Any
+
+#: The entry-point group tasks are declared in.
+ENTRY_POINT_GROUP = "muoneq.tasks"
 
 
 @dataclass(frozen=True)
@@ -28,50 +41,47 @@ class TaskSpec:
             raise TypeError(f"TaskSpec.config must be a dataclass, got {self.config!r}")
 
 
-#: Built-in tasks: name → "module:attribute" of their TaskSpec (imported on first use).
-BUILTIN_TASKS: dict[str, str] = {
-    "cifar10": "muoneq.tasks.vision.cifar10:TASK",
-    "language": "muoneq.tasks.language.task:TASK",
-}
-#: Their config dataclasses, in modules without Lightning: composing a config stays light.
-BUILTIN_CONFIGS: dict[str, str] = {
-    "cifar10": "muoneq.tasks.vision.config:Cifar10TaskConfig",
-    "language": "muoneq.tasks.language.config:LanguageTaskConfig",
-}
-
-#: Tasks already imported or registered at run time.
+#: Tasks loaded or registered so far in this process.
 TASKS: dict[str, TaskSpec] = {}
 
 
+def _declared() -> dict[str, Any]:
+    """The installed entry points of :data:`ENTRY_POINT_GROUP`, by name."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def register_task(name: str, spec: TaskSpec) -> None:
-    """Make ``task.name=<name>`` available (for workloads outside this package)."""
-    if name in TASKS or name in BUILTIN_TASKS:
+    """Make ``task.name=<name>`` available (for a workload defined in the running program)."""
+    if name in TASKS or name in _declared():
         raise ValueError(f"task name {name!r} is already registered")
     TASKS[name] = spec
 
 
 def task_names() -> list[str]:
-    return sorted({*BUILTIN_TASKS, *TASKS})
-
-
-def _load(reference: str):
-    module, attr = reference.split(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def task_config(name: str) -> type:
-    """The config dataclass of task ``name``, without importing the task's modules."""
-    if name in TASKS:
-        return TASKS[name].config
-    if name in BUILTIN_CONFIGS:
-        return _load(BUILTIN_CONFIGS[name])
-    return get_task(name).config
+    return sorted({*TASKS, *_declared()})
 
 
 def get_task(name: str) -> TaskSpec:
     """The :class:`TaskSpec` called ``name`` (``ValueError`` listing the known names)."""
     if name not in TASKS:
-        if name not in BUILTIN_TASKS:
-            raise ValueError(f"task.name: unknown task {name!r}; known: {', '.join(task_names())}")
-        TASKS[name] = _load(BUILTIN_TASKS[name])
+        declared = _declared()
+        if name not in declared:
+            known = ", ".join(task_names()) or f"(none: no {ENTRY_POINT_GROUP} entry points)"
+            raise ValueError(f"task.name: unknown task {name!r}; known: {known}")
+        try:
+            spec = declared[name].load()
+        except ImportError as err:
+            raise ValueError(
+                f"task.name: task {name!r} ({declared[name].value}) cannot be imported: {err}; "
+                "reinstall the package that declares it (a module of yours with the same name "
+                "shadows it when it lies in the folder you run from)") from None
+        if not isinstance(spec, TaskSpec):
+            raise TypeError(f"entry point {declared[name].value} of {ENTRY_POINT_GROUP} "
+                            f"({name}) is a {type(spec).__name__}, not a TaskSpec")
+        TASKS[name] = spec
     return TASKS[name]
+
+
+def task_config(name: str) -> type:
+    """The config dataclass of task ``name`` (without importing the task's Lightning code)."""
+    return get_task(name).config

@@ -1,5 +1,12 @@
 """Sweeps: Optuna studies over trial processes (``muoneq sweep sweeps/<name>.yaml``).
 
+The sweep file (:mod:`~muoneq.sweeps.spec`, checked by :mod:`~muoneq.sweeps.validate`), the
+study and its storage (:mod:`~muoneq.sweeps.study`, :mod:`~muoneq.sweeps.storage`), what each run
+holds (:mod:`~muoneq.sweeps.ledger`), typed jobs (:mod:`~muoneq.sweeps.scheduler`), trial
+processes (:mod:`~muoneq.sweeps.runner`, :mod:`~muoneq.sweeps.launch`), their ``metrics.json``
+as Optuna's state and value (:mod:`~muoneq.sweeps.verdict`) and the workers
+(:mod:`~muoneq.sweeps.driver`).
+
 Public API::
 
     from muoneq.sweeps import load_sweep, Driver, DriverOptions
@@ -7,7 +14,8 @@ Public API::
     summary = Driver(spec, DriverOptions(workers=4)).run()
 """
 
-from muoneq.sweeps.driver import Driver, DriverOptions, Summary
+from muoneq.sweeps.driver import Driver, DriverOptions
+from muoneq.sweeps.ledger import Summary
 from muoneq.sweeps.spec import Point, SweepError, SweepSpec, load_sweep
 
 __all__ = ["Driver", "DriverOptions", "Point", "Summary", "SweepError", "SweepSpec", "load_sweep"]

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import optuna
 
-from muoneq.sweeps.driver import Driver, DriverOptions, trial_command
+from muoneq.suite_files import suite_folder
+from muoneq.sweeps.driver import Driver, DriverOptions
+from muoneq.sweeps.launch import trial_command
 from muoneq.sweeps.spec import SweepError, load_sweep
 from muoneq.sweeps.storage import storage_label
 from muoneq.sweeps.validate import check_trials, search_points
@@ -21,7 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an Optuna study of trial processes; re-running the same command "
                     "continues it (finished runs are never repeated).",
     )
-    p.add_argument("sweep", type=Path, help="sweep file, e.g. sweeps/ablation-cifar10.yaml")
+    shipped = ", ".join(sorted(f.stem for f in suite_folder("sweeps").glob("*.yaml")))
+    p.add_argument("sweep", type=Path,
+                   help=f"a sweep file (e.g. sweeps/ablation-cifar10.yaml) or the name of one "
+                        f"muoneq ships: {shipped}")
     p.add_argument("--storage", default=None,
                    help="journal:<file>, sqlite:///<file>, postgresql://user@host:port/db "
                         "(default: journal file runs/<study>/optuna.journal)")

@@ -20,10 +20,13 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from muoneq.sweeps.spec import Point, SweepSpec
 
 METRICS_NAME = "metrics.json"
 RECORD_NAME = "trial.json"
@@ -59,6 +62,22 @@ def build_command(
         else:
             argv.append(word.format(**fields))
     return argv
+
+
+def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
+                  devices: Sequence[str] = (), worker: int = 0):
+    """The argv, environment and fingerprint of one run (the launch template filled in)."""
+    overrides = list(spec.overrides) + point.overrides()
+    fields = {**spec.launch.vars, "python": sys.executable,
+              "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
+              "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
+              "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
+    argv = build_command(spec.launch.command, fields, overrides)
+    env = {**os.environ, **{k: str(v) for k, v in spec.launch.env.items()}}
+    if spec.launch.devices_per_trial:
+        env[spec.launch.device_env] = fields["devices"]
+    fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
+    return argv, env, fingerprint
 
 
 def read_metrics(run_dir: Path) -> dict | None:

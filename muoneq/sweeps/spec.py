@@ -27,6 +27,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from muoneq.errors import UserError
+from muoneq.report.schema import DIRECTIONS, ReportSpec, check_report
+from muoneq.suite_files import suite_folder
 
 #: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
 #: ``key=value`` (fixed overrides first, then the point's axes); ``resume=auto`` lets a retried
@@ -40,7 +42,6 @@ PLACEHOLDERS = (
     "python", "experiment", "overrides", "seed", "run_dir", "study", "trial", "nproc",
     "devices", "worker",
 )
-DIRECTIONS = ("minimize", "maximize")
 PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
 PARAM_TYPES = ("float", "int", "categorical")
 
@@ -50,6 +51,7 @@ class SweepError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- the schema (structured configs)
+# (its ``report:`` section is the report's own: :mod:`muoneq.report.schema`)
 @dataclass
 class Objective:
     metric: str = MISSING  #: key of ``metrics.json`` told to Optuna
@@ -103,68 +105,6 @@ class Search:
     n_trials: int = 20
     sampler_seed: int | None = None
     n_startup_trials: int = 10
-
-
-@dataclass
-class MetricColumn:
-    key: str = MISSING  #: key of metrics.json
-    label: str | None = None
-    scale: float = 1.0  #: e.g. 100 for accuracy in %
-    digits: int = 2
-    direction: str | None = None  #: default: the objective's for its metric, else minimize
-
-
-@dataclass
-class SpeedupSpec:
-    """Token-efficiency speedups of a table's comparisons (muoneq.report.speedup)."""
-
-    tag: str = "val/loss"  #: TensorBoard scalar of a loss (lower is better), by global step
-    #: a crossing is interpolated only between validations at most this far apart (as a
-    #: fraction of the earlier one's tokens); farther: "too coarse", no number
-    max_gap: float = 0.25
-
-
-@dataclass
-class TableSpec:
-    name: str = "table"
-    metrics: list[MetricColumn] = field(default_factory=list)  #: first one ranks the rows
-    select: list[str] = field(default_factory=lambda: ["optimizer.lr"])  #: chosen at best
-    columns: str | None = None  #: axis whose values become column groups (e.g. experiment)
-    #: MuonEq variants against their Muon counterparts (the Δ in the cells), and every row
-    #: against its baselines as paired differences over seeds with 95% intervals
-    deltas: bool = True
-    speedup: SpeedupSpec | None = None  #: token-efficiency speedups against the baselines
-
-
-@dataclass
-class HeatmapSpec:
-    x: str = "optimizer.lr"
-    y: str = "optimizer.momentum"
-    metric: str | None = None  #: default: the objective metric
-    robustness_pct: float = 5.0  #: a cell is "good" within this % of the best cell
-
-
-@dataclass
-class LineSpec:
-    name: str = "lines"
-    x: str = MISSING
-    metrics: list[str] = field(default_factory=list)  #: default: the objective metric
-    select: list[str] = field(default_factory=list)  #: chosen at best per series and x
-    logx: bool = False
-
-
-@dataclass
-class CurveSpec:
-    tags: list[str] = field(default_factory=list)  #: TensorBoard scalar tags
-    select: list[str] = field(default_factory=lambda: ["optimizer.lr"])
-
-
-@dataclass
-class ReportSpec:
-    tables: list[TableSpec] = field(default_factory=list)
-    heatmaps: list[HeatmapSpec] = field(default_factory=list)
-    lines: list[LineSpec] = field(default_factory=list)
-    curves: CurveSpec | None = None
 
 
 @dataclass
@@ -253,11 +193,33 @@ def format_value(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ loading
+def shipped_sweep(name: str | Path) -> Path | None:
+    """The sweep file muoneq ships under the name ``name`` (``ablation-cifar10``, with or
+    without ``.yaml``), or None."""
+    name = Path(name)
+    if len(name.parts) != 1 or name.suffix not in ("", ".yaml"):
+        return None
+    path = suite_folder("sweeps") / f"{name.stem}.yaml"
+    return path if path.is_file() else None
+
+
+def sweep_path(target: str | Path) -> Path:
+    """A sweep file given by its path, or by the name of one muoneq ships."""
+    path = Path(target)
+    if path.is_file():
+        return path
+    shipped = shipped_sweep(path)
+    if shipped is None:
+        names = ", ".join(sorted(p.stem for p in suite_folder("sweeps").glob("*.yaml")))
+        raise SweepError(f"sweep file not found: {path}; give a path to a sweep file or the "
+                         f"name of one muoneq ships: {names or '(none)'}")
+    return shipped
+
+
 def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
-    """Read a sweep file, apply ``dotlist`` overrides (``seeds=[0]``), validate, return it."""
-    path = Path(path)
-    if not path.is_file():
-        raise SweepError(f"sweep file not found: {path}")
+    """Read a sweep file (a path, or the name of a shipped one: :func:`sweep_path`), apply
+    ``dotlist`` overrides (``seeds=[0]``), validate, return it."""
+    path = sweep_path(path)
     try:
         raw = OmegaConf.load(path)
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
@@ -350,7 +312,10 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
     if launch.nproc < 1 or launch.devices_per_trial < 0:
         raise SweepError(f"{source}: launch.nproc must be ≥ 1 and devices_per_trial ≥ 0")
     check_template(launch.command, launch.vars, source)
-    _validate_report(spec, source)
+    try:
+        check_report(spec.report, spec.axes())
+    except ValueError as err:
+        raise SweepError(f"{source}: {err}") from None
 
 
 def check_template(command: str, extra: dict, source: str = "<sweep>") -> None:
@@ -370,40 +335,6 @@ def check_template(command: str, extra: dict, source: str = "<sweep>") -> None:
                                  f"allowed: {', '.join(sorted(known))}")
     if "{run_dir}" not in command:
         raise SweepError(f"{source}: launch.command must pass {{run_dir}} to the trial")
-
-
-def _validate_report(spec: SweepSpec, source: str) -> None:
-    axes = set(spec.axes())
-    rep = spec.report
-
-    def need(axis: str | None, where: str) -> None:
-        if axis is not None and axis not in axes:
-            raise SweepError(f"{source}: {where}={axis!r} is not a search axis; "
-                             f"axes: {', '.join(sorted(axes)) or '(none)'}")
-
-    for t in rep.tables:
-        for a in t.select:
-            need(a, f"report.tables[{t.name}].select")
-        need(t.columns, f"report.tables[{t.name}].columns")
-        for m in t.metrics:
-            if m.direction is not None:
-                _choice(m.direction, DIRECTIONS, f"report.tables[{t.name}].metrics.direction",
-                        source)
-        if t.speedup is not None and not t.speedup.max_gap > 0:
-            raise SweepError(f"{source}: report.tables[{t.name}].speedup.max_gap must be > 0 "
-                             f"(got {t.speedup.max_gap})")
-    for h in rep.heatmaps:
-        need(h.x, "report.heatmaps.x")
-        need(h.y, "report.heatmaps.y")
-        if not 0 < h.robustness_pct < 100:
-            raise SweepError(f"{source}: report.heatmaps.robustness_pct must be in (0, 100)")
-    for line in rep.lines:
-        need(line.x, f"report.lines[{line.name}].x")
-        for a in line.select:
-            need(a, f"report.lines[{line.name}].select")
-    if rep.curves is not None:
-        for a in rep.curves.select:
-            need(a, "report.curves.select")
 
 
 def is_finite_number(value: Any) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from muoneq.errors import UserError
+from muoneq.sweeps.launch import trial_command
 from muoneq.sweeps.spec import Point, SweepError, SweepSpec
 
 #: the words that start the training command in a trial's argv (``… -m muoneq train …``)
@@ -52,7 +53,6 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
     ``muoneq train``)."""
     from muoneq.runtime import record
     from muoneq.runtime.config import compose
-    from muoneq.sweeps.driver import trial_command
 
     points = spec.points() if spec.is_grid else list(search_points(spec))
     cache: dict = {}

@@ -4,9 +4,11 @@ composing a config (``muoneq train --print-config``, a sweep's checks) never imp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from muoneq.tasks.language.data import DEFAULT_VAL_TOKENS
-from muoneq.tasks.language.models import ARCHITECTURES
+from tasks.language.data import DEFAULT_VAL_TOKENS
+from tasks.language.hf import HF_SIZES, hf_config
+from tasks.language.models import ARCHITECTURES
 
 
 @dataclass
@@ -55,30 +57,64 @@ class LanguageDataConfig:
             raise ValueError(f"task.data.num_workers: must be ≥ 0, got {self.num_workers}")
 
 
+#: ``task.model.arch`` values: the suite's own models, and ``hf`` (any transformers causal LM).
+ARCHS = (*ARCHITECTURES, "hf")
+
+
 @dataclass
 class LanguageModelConfig:
-    #: ``gpt2`` or ``llama``.
+    #: ``gpt2``, ``llama`` (the suite's models) or ``hf`` (a transformers causal LM, built from
+    #: ``hf_config`` or ``hf_model_type``: see tasks/language/hf.py).
     arch: str = "llama"
-    #: gpt2: ``small``, ``tiny``; llama: ``tiny``, ``60m``, ``130m``, ``350m``, ``1b``.
-    size: str = "130m"
+    #: gpt2: ``small``, ``tiny``; llama, and hf with ``hf_model_type``: ``tiny``, ``60m``,
+    #: ``130m``, ``350m``, ``1b``; hf with ``hf_config``: null (the config.json sets the sizes).
+    size: str | None = "130m"
     #: GPT-2 only: share the token embedding with the output head (GPT-2's choice, default).
     tie_embeddings: bool | None = None
     #: The tokenizer's vocabulary is padded up to a multiple of this (GPT-2: 50257 → 50304).
     vocab_multiple: int = 64
+    #: arch=hf: a local Hugging Face ``config.json`` (or the folder holding it).
+    hf_config: str | None = None
+    #: arch=hf: a transformers model type (``llama``, ``qwen2``, ``mistral``…) at ``size``.
+    hf_model_type: str | None = None
+    #: arch=hf: config keys set last (e.g. ``num_key_value_heads: 4``, ``rope_theta: 5e5``).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in ARCHS:
             raise ValueError(f"task.model.arch: unknown {self.arch!r}; "
-                             f"allowed: {', '.join(ARCHITECTURES)}")
-        sizes = ARCHITECTURES[self.arch][2]
-        if self.size not in sizes:
-            raise ValueError(f"task.model.size: unknown {self.size!r} for {self.arch}; "
-                             f"allowed: {', '.join(sizes)}")
+                             f"allowed: {', '.join(ARCHS)}")
+        hf_keys = {"hf_config": self.hf_config, "hf_model_type": self.hf_model_type}
+        if self.arch == "hf":
+            self._check_hf(hf_keys)
+        else:
+            given = [k for k, v in hf_keys.items() if v is not None]
+            if given or self.hf_overrides:
+                key = given[0] if given else "hf_overrides"
+                raise ValueError(f"task.model.{key}: only for arch=hf (got arch={self.arch})")
+            sizes = ARCHITECTURES[self.arch][2]
+            if self.size not in sizes:
+                raise ValueError(f"task.model.size: unknown {self.size!r} for {self.arch}; "
+                                 f"allowed: {', '.join(sizes)}")
         if self.tie_embeddings is not None and self.arch != "gpt2":
             raise ValueError("task.model.tie_embeddings: only for arch=gpt2 (LLaMA's head is "
-                             "untied); leave it null")
+                             "untied; arch=hf: task.model.hf_overrides.tie_word_embeddings); "
+                             "leave it null")
         if self.vocab_multiple < 1:
             raise ValueError(f"task.model.vocab_multiple: must be ≥ 1, got {self.vocab_multiple}")
+
+    def _check_hf(self, hf_keys: dict) -> None:
+        if (self.hf_config is None) == (self.hf_model_type is None):
+            raise ValueError(
+                "task.model.hf_config / task.model.hf_model_type: arch=hf needs exactly one: a "
+                "local config.json, or a transformers model type (with task.model.size)")
+        if self.hf_config is not None and self.size is not None:
+            raise ValueError(
+                f"task.model.size: leave it null with task.model.hf_config (the config.json "
+                f"sets the sizes; change them with task.model.hf_overrides), got {self.size!r}")
+        if self.hf_model_type is not None and self.size not in HF_SIZES:
+            raise ValueError(f"task.model.size: unknown {self.size!r} for arch=hf with "
+                             f"hf_model_type; allowed: {', '.join(HF_SIZES)}")
 
 
 @dataclass
@@ -92,6 +128,10 @@ class LanguageTaskConfig:
     peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        model = self.model
+        if model.arch == "hf":  # the model type, the override keys and the positions
+            hf_config(config=model.hf_config, model_type=model.hf_model_type, size=model.size,
+                      overrides=dict(model.hf_overrides), max_seq_len=self.data.seq_len)
         if self.val_every_n_steps < 1:
             raise ValueError(f"task.val_every_n_steps: must be ≥ 1, got {self.val_every_n_steps}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:

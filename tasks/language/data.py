@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from muoneq.tasks.language.shards import open_shard, read_header
+from tasks.language.shards import open_shard, read_header
 
 DEFAULT_VAL_TOKENS = 10_485_760
 

@@ -14,17 +14,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from muoneq.runtime import ConfigError, TaskDataModule
-from muoneq.tasks.language.config import LanguageDataConfig
-from muoneq.tasks.language.data import (
+from tasks.language.config import LanguageDataConfig
+from tasks.language.data import (
     PackedSequences,
     SequenceSampler,
     ShardedEvalSampler,
     TokenStream,
     validation_sequences,
 )
-from muoneq.tasks.language.prepare import PROGRESS_FILE
-from muoneq.tasks.language.shards import find_shards
-from muoneq.tasks.language.tokenizer import load_tokenizer
+from tasks.language.prepare import PROGRESS_FILE
+from tasks.language.shards import find_shards
+from tasks.language.tokenizer import load_tokenizer
 
 
 def shard_vocab_size(cfg: LanguageDataConfig) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from muoneq.tasks.language.base import CausalLM
+from tasks.language.base import CausalLM
 
 
 @dataclass(frozen=True)

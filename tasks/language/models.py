@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from muoneq.tasks.language.base import CausalLM
-from muoneq.tasks.language.gpt import GPT, GPT_SIZES, GPTConfig
-from muoneq.tasks.language.llama import LLAMA_SIZES, Llama, LlamaConfig
+from tasks.language.base import CausalLM
+from tasks.language.gpt import GPT, GPT_SIZES, GPTConfig
+from tasks.language.hf import HFCausalLM, hf_config
+from tasks.language.llama import LLAMA_SIZES, Llama, LlamaConfig
 
 #: architecture → (model class, config class, named sizes)
 ARCHITECTURES = {
@@ -38,9 +39,15 @@ def model_config(arch: str, size: str, *, vocab_size: int, max_seq_len: int, **o
 
 
 def build_model(
-    arch: str, size: str, *, vocab_size: int, max_seq_len: int, **overrides
+    arch: str, size: str | None, *, vocab_size: int, max_seq_len: int, **overrides
 ) -> CausalLM:
     """Instantiate the model (on the current default device: use ``torch.device("meta")`` to
-    count parameters without allocating, then ``to_empty`` + ``reset_parameters``)."""
+    count parameters without allocating, then ``to_empty`` + ``reset_parameters``).
+
+    ``arch="hf"``: a transformers causal LM; ``overrides`` are then :func:`hf_config`'s
+    ``config``, ``model_type`` and ``overrides`` (tasks/language/hf.py)."""
+    if arch == "hf":
+        return HFCausalLM(hf_config(size=size, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                                    **overrides))
     config = model_config(arch, size, vocab_size=vocab_size, max_seq_len=max_seq_len, **overrides)
     return ARCHITECTURES[arch][0](config)

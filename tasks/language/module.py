@@ -9,8 +9,8 @@ import torch
 
 from muoneq.runtime import TaskModule
 from muoneq.runtime.callbacks import StepStats
-from muoneq.tasks.language.base import CausalLM, lm_loss
-from muoneq.tasks.language.data import perplexity
+from tasks.language.base import CausalLM, lm_loss
+from tasks.language.data import perplexity
 
 #: Dense bf16 peak TFLOP/s per device (vendor datasheets), by a substring of the CUDA device
 #: name, most specific first; other devices need ``task.peak_tflops`` for MFU.

@@ -37,8 +37,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from muoneq.errors import UserError
-from muoneq.tasks.language.shards import ShardError, read_header, shard_name, write_shard
-from muoneq.tasks.language.tokenizer import load_tokenizer
+from tasks.language.shards import ShardError, read_header, shard_name, write_shard
+from tasks.language.tokenizer import load_tokenizer
 
 #: Hub presets: repository, config, training split, validation split (None: carve from train).
 PRESETS = {

@@ -1,4 +1,5 @@
-"""The ``language`` task: GPT-2 or LLaMA-2 pretraining on token shards, validation perplexity.
+"""The ``language`` task: GPT-2, LLaMA-2 or any Hugging Face causal LM (``task.model.arch=hf``)
+pretrained on token shards, validation perplexity.
 
 Recipes of the paper: ``conf/experiment/gpt2_small_fineweb.yaml`` (ablation table) and
 ``llama{130m,350m,1b}_c4.yaml`` (main comparison), ``llama_tiny_shakespeare.yaml`` for a CPU.
@@ -9,15 +10,14 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from muoneq.runtime import TaskSpec
-from muoneq.tasks.language.base import pad_vocab
-from muoneq.tasks.language.config import LanguageTaskConfig
-from muoneq.tasks.language.datamodule import (
+from tasks.language.base import pad_vocab
+from tasks.language.config import LanguageTaskConfig
+from tasks.language.datamodule import (
     LanguageDataModule,
     shard_vocab_size,
 )
-from muoneq.tasks.language.models import build_model
-from muoneq.tasks.language.module import LanguageModule
+from tasks.language.models import build_model
+from tasks.language.module import LanguageModule
 
 
 def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
@@ -27,6 +27,9 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
     vocab = pad_vocab(shard_vocab_size(task.data), task.model.vocab_multiple)
     tie = task.model.tie_embeddings
     extra = {} if tie is None else {"tie_embeddings": tie}
+    if task.model.arch == "hf":
+        extra = {"config": task.model.hf_config, "model_type": task.model.hf_model_type,
+                 "overrides": dict(task.model.hf_overrides)}
     torch.manual_seed(cfg.seed)
     model = build_model(task.model.arch, task.model.size, vocab_size=vocab,
                         max_seq_len=task.data.seq_len, **extra)
@@ -37,7 +40,3 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
         compile=cfg.trainer.compile,
     )
     return module, LanguageDataModule(task.data, seed=cfg.seed)
-
-
-TASK = TaskSpec(LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: "
-                "validation perplexity")

@@ -1,1 +1,17 @@
-"""Vision workloads: ResNet-18 (CIFAR variant) on CIFAR-10."""
+"""Vision workloads: the ``cifar10`` task, ResNet-18 (CIFAR variant) on CIFAR-10.
+
+``TASK`` is what the ``muoneq.tasks`` entry point ``cifar10`` names; this module imports no
+Lightning (the builder does, when a run is built)."""
+
+from muoneq.runtime.tasks import TaskSpec
+from tasks.vision.config import Cifar10TaskConfig
+
+
+def build(cfg):
+    """The run's module and data module: :func:`tasks.vision.cifar10.build`."""
+    from tasks.vision.cifar10 import build
+
+    return build(cfg)
+
+
+TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy")

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from muoneq.runtime import TaskModule, TaskSpec
-from muoneq.tasks.vision.cifar10_data import Cifar10DataModule
-from muoneq.tasks.vision.config import Cifar10TaskConfig
-from muoneq.tasks.vision.resnet import CifarResNet
+from muoneq.runtime import TaskModule
+from tasks.vision.cifar10_data import Cifar10DataModule
+from tasks.vision.config import Cifar10TaskConfig
+from tasks.vision.resnet import CifarResNet
 
 NUM_CLASSES = 10
 
@@ -92,6 +92,3 @@ def build(cfg) -> tuple[Cifar10Module, Cifar10DataModule]:
         compile=cfg.trainer.compile,
     )
     return module, Cifar10DataModule(task.data, seed=cfg.seed)
-
-
-TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy")

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from muoneq.errors import DataError, UserError
 from muoneq.runtime import TaskDataModule
-from muoneq.tasks.vision.config import Cifar10DataConfig
+from tasks.vision.config import Cifar10DataConfig
 
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)

@@ -70,10 +70,10 @@ from muoneq.benchmarks.bench_step import table as bench_table
 from muoneq.runtime import compose, train
 from muoneq.runtime.accelerators import synchronize
 from muoneq.runtime.record import session
-from muoneq.tasks.language.module import device_peak_tflops
-from muoneq.tasks.language.shards import shard_name, write_shard
+from tasks.language.module import device_peak_tflops
+from tasks.language.shards import shard_name, write_shard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path("benchmarks/results")
 
 #: Vocabulary of the recipes' tokenizers (synthetic tokens are drawn below it; no tokenizer

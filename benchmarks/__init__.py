@@ -1,1 +1,0 @@
-"""Benchmarks of the optimizer step (installed as ``muoneq.benchmarks``; ``muoneq bench``)."""

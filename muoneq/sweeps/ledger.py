@@ -1,0 +1,271 @@
+"""What a study holds about each run, read and written through Optuna's public API only.
+
+A *run key* names one run: ``<point key> | seed=<seed>`` in a grid (one trial per point and
+seed), the point key in an open search (one trial runs every seed). The ledger groups the
+study's trials by run key (:class:`RunState`): finished, running under a live driver, orphaned
+(their driver died), queued, or failed; it counts what is done (:class:`Summary`) and records
+what happened to a trial (user attributes, then ``study.tell``), on the storage object the
+driver opened (``optuna.storages.BaseStorage``).
+
+A driver is alive while it holds its lock file ``<study>/drivers/<id>.lock`` (same machine) or
+its trials' heartbeats are fresh (other machines: ``retry.stale_after_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from muoneq.sweeps import launch
+from muoneq.sweeps.spec import Point, SweepSpec, format_value
+from muoneq.sweeps.verdict import Verdict
+
+log = logging.getLogger("muoneq.sweeps")
+
+#: user attrs of a trial that the driver writes (the report reads them too)
+ATTR_KEY, ATTR_POINT, ATTR_SEEDS, ATTR_DIRS = "run_key", "point", "seeds", "run_dirs"
+ATTR_DRIVER, ATTR_HOST, ATTR_BEAT, ATTR_OUTCOME = "driver", "host", "heartbeat", "outcome"
+#: user attr of a trial the driver enqueued to retry a failed one (its trial number)
+ATTR_RETRY_OF = "retry_of"
+#: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
+FAILURES = ("failed", "timeout")
+DONE_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def attr(t: FrozenTrial, name: str, default=None):
+    return t.user_attrs.get(name, default)
+
+
+@dataclass(frozen=True)
+class DriverId:
+    """One driver process: its id (``host:pid:random``), its host, and the folder of the lock
+    files drivers hold while they live."""
+
+    id: str
+    host: str
+    locks: Path
+
+    @classmethod
+    def new(cls, study_dir: Path) -> DriverId:
+        host = socket.gethostname()
+        return cls(f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}", host,
+                   Path(study_dir) / "drivers")
+
+    def lock_path(self, driver_id: str | None = None) -> Path:
+        """The lock file of driver ``driver_id`` (default: this one)."""
+        return self.locks / ((driver_id or self.id).replace(":", "_") + ".lock")
+
+
+@dataclass
+class RunState:
+    """Everything the study holds about one run (one key)."""
+
+    done: list[FrozenTrial] = field(default_factory=list)
+    live: list[FrozenTrial] = field(default_factory=list)
+    orphans: list[FrozenTrial] = field(default_factory=list)
+    waiting: list[FrozenTrial] = field(default_factory=list)
+    failures: int = 0
+    config_error: bool = False  #: an attempt of this driver exited with a config error
+    tried: list[FrozenTrial] = field(default_factory=list)  #: failed or interrupted attempts
+
+
+@dataclass
+class Survey:
+    """The study's trials by run key, and how many queued trials have no key yet (enqueued
+    with parameters only: their run is known once asked)."""
+
+    runs: dict[str, RunState]
+    unkeyed_waiting: int = 0
+
+
+@dataclass
+class Summary:
+    total: int
+    done: int
+    exhausted: list[str]
+    pending: int
+    interrupted: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
+        return 1 if self.exhausted or self.pending else 0
+
+
+def grid_key(cell: str, seed: int) -> str:
+    return f"{cell} | seed={seed}"
+
+
+class Ledger:
+    """The study's record of every run, for one driver (see the module docstring)."""
+
+    def __init__(self, study: optuna.Study, storage: BaseStorage, spec: SweepSpec, me: DriverId):
+        self.study, self.storage, self.spec, self.me = study, storage, spec, me
+        self.study_id = storage.get_study_id_from_name(study.study_name)
+        #: grid points by key, and the run keys of the grid (empty for an open search)
+        self.points = {p.key: p for p in spec.points()} if spec.is_grid else {}
+        self.expected = {grid_key(k, s) for k in self.points for s in spec.seeds}
+        self._trial_ids: dict[int, int] = {}
+
+    # ---------------------------------------------------------------------------------- keys
+    def point_of(self, params: dict) -> Point | None:
+        if self.spec.is_grid:
+            return self.points.get(params.get("cell"))
+        axes = self.spec.axes()
+        if not all(a in params for a in axes):
+            return None
+        return Point(tuple((a, params[a]) for a in axes))
+
+    def key_of(self, t: FrozenTrial) -> str | None:
+        if ATTR_KEY in t.user_attrs:
+            return t.user_attrs[ATTR_KEY]
+        if self.spec.is_grid:
+            if "cell" in t.params and "seed" in t.params:
+                return grid_key(t.params["cell"], t.params["seed"])
+            return None
+        point = self.point_of(t.params)
+        return point.key if point is not None else None
+
+    # --------------------------------------------------------------------------------- reads
+    def trials(self) -> list[FrozenTrial]:
+        return self.study.get_trials(deepcopy=False)
+
+    def owner_alive(self, t: FrozenTrial) -> bool:
+        owner = attr(t, ATTR_DRIVER)
+        if owner == self.me.id:
+            return True
+        if owner is not None and attr(t, ATTR_HOST) == self.me.host:
+            # A driver on this machine holds its lock file for its whole life.
+            return launch.lock_is_held(self.me.lock_path(owner))
+        last = attr(t, ATTR_BEAT)
+        if last is None and t.datetime_start is not None:
+            last = t.datetime_start.timestamp()
+        return last is not None and time.time() - last < self.spec.retry.stale_after_s
+
+    def survey(self) -> Survey:
+        """Group every trial of the study by run key (skipped duplicates left out). A running
+        trial without a key whose driver died (it died between ask and choosing a point) is
+        told FAIL on the way."""
+        survey = Survey(defaultdict(RunState))
+        for t in self.trials():
+            outcome = attr(t, ATTR_OUTCOME)
+            if outcome == "skipped":
+                continue
+            key = self.key_of(t)
+            if key is None:
+                if t.state == TrialState.RUNNING and not self.owner_alive(t):
+                    self.tell(t.number, TrialState.FAIL, outcome="abandoned",
+                              message="asked by a driver that died before choosing a point")
+                survey.unkeyed_waiting += t.state == TrialState.WAITING
+                continue
+            state = survey.runs[key]
+            if t.state in DONE_STATES or (t.state == TrialState.FAIL and outcome == "diverged"):
+                state.done.append(t)
+            elif t.state == TrialState.RUNNING:
+                (state.live if self.owner_alive(t) else state.orphans).append(t)
+            elif t.state == TrialState.WAITING:
+                state.waiting.append(t)
+            elif t.state == TrialState.FAIL:
+                state.failures += outcome in FAILURES
+                state.config_error |= (outcome == "config_error"
+                                       and attr(t, ATTR_DRIVER) == self.me.id)
+                state.tried.append(t)
+        return survey
+
+    def exhausted(self, state: RunState) -> bool:
+        return not state.done and (state.config_error
+                                   or state.failures > self.spec.retry.max_retries)
+
+    def is_open(self, state: RunState) -> bool:
+        """True when the run needs a new attempt (nothing finished, running or queued)."""
+        return not (state.done or state.live or state.orphans or state.waiting
+                    or self.exhausted(state))
+
+    def configs_started(self) -> list[int]:
+        """Trial numbers of an open search's configurations (retries and skipped trials
+        excluded)."""
+        return sorted(t.number for t in self.trials()
+                      if ATTR_RETRY_OF not in t.user_attrs and attr(t, ATTR_OUTCOME) != "skipped")
+
+    def duplicate_of(self, number: int, key: str) -> int | None:
+        """The trial that already holds run ``key`` (finished, or running under a lower
+        number), or the last configuration within an open search's budget when trial
+        ``number`` is over it; None when trial ``number`` may run."""
+        over_budget = None
+        if not self.spec.is_grid:
+            started, budget = self.configs_started(), self.spec.search.n_trials
+            if number in started and started.index(number) >= budget:
+                over_budget = started[budget - 1]
+        for t in self.trials():
+            if t.number == number or attr(t, ATTR_OUTCOME) == "skipped":
+                continue
+            if self.key_of(t) != key:
+                continue
+            finished = t.state in DONE_STATES or attr(t, ATTR_OUTCOME) == "diverged"
+            if finished or (t.state == TrialState.RUNNING and t.number < number):
+                return t.number
+        return over_budget
+
+    def summary(self, runs: dict[str, RunState] | None = None) -> Summary:
+        runs = self.survey().runs if runs is None else runs
+        keys = self.expected if self.spec.is_grid else set(runs)
+        total = len(keys) if self.spec.is_grid else self.spec.search.n_trials
+        done = sum(1 for k in keys if runs.get(k) and runs[k].done)
+        exhausted = sorted(k for k in keys if k in runs and self.exhausted(runs[k]))
+        return Summary(total, done, exhausted, max(0, total - done - len(exhausted)))
+
+    # -------------------------------------------------------------------------------- writes
+    def trial_id(self, number: int) -> int:
+        """The storage's id of trial ``number`` of this study."""
+        if number not in self._trial_ids:
+            self._trial_ids[number] = self.storage.get_trial_id_from_study_id_trial_number(
+                self.study_id, number)
+        return self._trial_ids[number]
+
+    def set_attrs(self, number: int, attrs: dict) -> None:
+        """Set user attributes of trial ``number`` (any driver's, running)."""
+        trial_id = self.trial_id(number)
+        for name, value in attrs.items():
+            self.storage.set_trial_user_attr(trial_id, name, value)
+
+    def tell(self, number: int, state: TrialState, *, value: float | None = None,
+             outcome: str, message: str = "", attrs: dict | None = None) -> None:
+        """Record attrs, then tell. A trial someone else finished meanwhile is left alone."""
+        if self.storage.get_trial(self.trial_id(number)).state.is_finished():
+            log.info("trial %d was finished by another driver meanwhile", number)
+            return
+        self.set_attrs(number, {**(attrs or {}), ATTR_OUTCOME: outcome,
+                                "message": message[-4000:]})
+        self.study.tell(number, value if state == TrialState.COMPLETE else None, state=state,
+                        skip_if_finished=True)
+
+    def record(self, number: int, key: str, verdict: Verdict) -> None:
+        """Tell how trial ``number`` (run ``key``) ended, and log it."""
+        self.tell(number, verdict.state, value=verdict.value, outcome=verdict.outcome,
+                  message=verdict.message, attrs=verdict.attrs)
+        metric = self.spec.objective.metric
+        if verdict.outcome == "complete":
+            log.info("trial %d (%s): %s = %s", number, key, metric,
+                     format_value(float(verdict.value)))
+        elif verdict.outcome == "diverged":
+            log.info("trial %d (%s): diverged (%s)", number, key, verdict.message)
+        elif verdict.missing_metric:
+            log.error("trial %d (%s): metrics.json has no %r", number, key, metric)
+        else:
+            note = " (not retried: fix it, then re-run the sweep)" if (
+                verdict.outcome == "config_error") else ""
+            quiet = verdict.outcome in ("pruned", "interrupted")
+            log.log(logging.INFO if quiet else logging.WARNING, "trial %d (%s): %s%s %s",
+                    number, key, verdict.outcome, note,
+                    ("\n" + verdict.message) if verdict.message else "")

@@ -1,0 +1,181 @@
+"""What a worker does next: a typed job, a wait, or nothing (the study is finished).
+
+Under the driver's in-process lock, :meth:`Scheduler.next_job`
+
+1. settles the orphans (trials whose driver died): a finished run is told its result, a live
+   process on this machine is adopted (:class:`Adopt`), anything else is failed (and retried);
+2. queues a retry for every run whose last attempt failed and that has retries left;
+3. stops when every run is finished or out of retries (:data:`None`), waits while other workers
+   hold the last runs (:class:`Wait`), or asks Optuna for a trial (:class:`Start`). A trial
+   whose run is already finished or running under a lower trial number (``GridSampler`` hands
+   a point to two workers; a retry raced) is told FAIL with ``outcome=skipped`` and the next one
+   is asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from muoneq.sweeps import launch
+from muoneq.sweeps.ledger import (
+    ATTR_BEAT,
+    ATTR_DIRS,
+    ATTR_DRIVER,
+    ATTR_HOST,
+    ATTR_KEY,
+    ATTR_POINT,
+    ATTR_RETRY_OF,
+    ATTR_SEEDS,
+    Ledger,
+    RunState,
+    attr,
+    grid_key,
+)
+from muoneq.sweeps.spec import Point
+from muoneq.sweeps.verdict import judge
+
+log = logging.getLogger("muoneq.sweeps")
+
+
+@dataclass(frozen=True)
+class Start:
+    """A trial asked for this driver: run its point on each seed, in order."""
+
+    trial: optuna.Trial
+    point: Point
+    seeds: tuple[int, ...]
+    key: str
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """A trial whose driver died while its process lives on (this machine): wait for it."""
+
+    number: int
+    point: Point
+    seeds: tuple[int, ...]
+    key: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Other workers hold the last runs: look again later (they may die)."""
+
+
+Job = Start | Adopt
+
+
+class Scheduler:
+    """Hands out the study's work to this driver's workers (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, study_dir: Path):
+        self.ledger, self.spec, self.me, self.study_dir = ledger, ledger.spec, ledger.me, study_dir
+
+    def next_job(self) -> Job | Wait | None:
+        """The next job, :class:`Wait`, or None when the study is finished (call it under the
+        driver's lock: its reads and writes of the study are one step)."""
+        while True:
+            survey = self.ledger.survey()
+            orphans = [(key, t) for key, state in survey.runs.items() for t in state.orphans]
+            for key, t in orphans:
+                adopted = self._settle_orphan(t, key)
+                if adopted is not None:
+                    return adopted
+            if orphans:
+                survey = self.ledger.survey()
+            queued = self._queue_retries(survey.runs)
+            if not (queued or survey.unkeyed_waiting or self._fresh(survey.runs)
+                    or any(s.waiting for s in survey.runs.values())):
+                busy = any(s.live or s.orphans for s in survey.runs.values())
+                return Wait() if busy else None
+            job = self._ask()
+            if job is not None:
+                return job  # else the asked trial was a duplicate, told skipped: look again
+
+    def _queue_retries(self, runs: dict[str, RunState]) -> bool:
+        """Enqueue the parameters of every failed run with retries left; True if any."""
+        queued = False
+        keys = self.ledger.expected if self.spec.is_grid else set(runs)  # not an old grid's
+        for key in keys:
+            state = runs.get(key)
+            if state is not None and state.tried and self.ledger.is_open(state):
+                last = state.tried[-1]
+                self.ledger.study.enqueue_trial(
+                    last.params, user_attrs={ATTR_RETRY_OF: last.number, ATTR_KEY: key})
+                queued = True
+        return queued
+
+    def _fresh(self, runs: dict[str, RunState]) -> bool:
+        """Whether a run never tried remains: a grid run, or an open search's configuration."""
+        if self.spec.is_grid:
+            return any(k not in runs or self.ledger.is_open(runs[k]) for k in self.ledger.expected)
+        return len(self.ledger.configs_started()) < self.spec.search.n_trials
+
+    def _ask(self) -> Start | None:
+        """Ask a trial and claim its run; None when the run is taken (the trial is skipped)."""
+        trial = self.ledger.study.ask()
+        if self.spec.is_grid:
+            cell = trial.suggest_categorical("cell", list(self.ledger.points))
+            seed = trial.suggest_categorical("seed", list(self.spec.seeds))
+            point, seeds, key = self.ledger.points[cell], (seed,), grid_key(cell, seed)
+        else:
+            params = {}
+            for name, p in self.spec.search.params.items():
+                if p.type == "float":
+                    params[name] = trial.suggest_float(name, p.low, p.high, log=p.log)
+                elif p.type == "int":
+                    params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log)
+                else:
+                    params[name] = trial.suggest_categorical(name, list(p.choices))
+            point, seeds = self.ledger.point_of(params), tuple(self.spec.seeds)
+            key = point.key
+        duplicate = self.ledger.duplicate_of(trial.number, key)
+        if duplicate is not None:
+            self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
+                             message=f"duplicate of trial {duplicate}")
+            log.info("trial %d: %s is already taken by trial %d; skipped",
+                     trial.number, key, duplicate)
+            return None
+        runs = self.ledger.survey().runs.get(key, RunState())
+        dirs = [str(point.run_dir(self.study_dir, s).relative_to(self.study_dir)) for s in seeds]
+        attrs = {ATTR_KEY: key, ATTR_POINT: point.as_dict(), ATTR_SEEDS: list(seeds),
+                 ATTR_DIRS: dirs, ATTR_DRIVER: self.me.id, ATTR_HOST: self.me.host,
+                 ATTR_BEAT: time.time(), "attempt": runs.failures + 1}
+        for name, value in attrs.items():
+            trial.set_user_attr(name, value)
+        return Start(trial, point, seeds, key)
+
+    def _settle_orphan(self, t: FrozenTrial, key: str) -> Adopt | None:
+        """A trial whose driver died: tell its result, adopt its live process, or fail it."""
+        point = self.ledger.point_of(t.params)
+        seeds = tuple(attr(t, ATTR_SEEDS) or ())
+        dirs = [self.study_dir / d for d in attr(t, ATTR_DIRS, [])]
+        if point is None or not dirs:
+            self.ledger.tell(t.number, TrialState.FAIL, outcome="failed",
+                             message="its driver died before launching it")
+            return None
+        if all(launch.read_metrics(d) is not None for d in dirs):
+            log.info("trial %d (%s): driver gone, run finished: telling its result",
+                     t.number, key)
+            outcomes = [launch.Outcome("complete", launch.read_metrics(d)) for d in dirs]
+            self.ledger.record(t.number, key, judge(outcomes, seeds, self.spec.objective.metric))
+            return None
+        if attr(t, ATTR_HOST) == self.me.host and any(launch.is_active(d) for d in dirs):
+            self.ledger.set_attrs(t.number, {ATTR_DRIVER: self.me.id, ATTR_BEAT: time.time()})
+            log.info("trial %d (%s): driver gone, process alive: adopting it", t.number, key)
+            return Adopt(t.number, point, seeds, key)
+        self.ledger.tell(t.number, TrialState.FAIL, outcome="failed",
+                         message=f"its driver {attr(t, ATTR_DRIVER)} died and the process is gone")
+        log.warning("trial %d (%s): driver and process gone: failed, will be retried",
+                    t.number, key)
+        return None
