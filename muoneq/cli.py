@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "muoneq.benchmarks.bench_step",
         "time one optimizer step vs torch.optim.Muon on GPT-2/LLaMA/ResNet matrix sets",
     ),
+    "demo": (
+        "muoneq.demo",
+        "the main job: a miniature of the paper's ablation, offline on a CPU (make demo)",
+    ),
     "gpu-check": (
         "muoneq.benchmarks.gpu_check",
         "check every GPU path and record it in benchmarks/results/<device>.json",

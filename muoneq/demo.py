@@ -132,4 +132,6 @@ Full-scale studies of the paper (GPUs): make help, then e.g. make ablation-cifar
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from muoneq.cli import main as cli
+
+    sys.exit(cli(["demo", *sys.argv[1:]]))  # mistakes as one line, as every muoneq command

@@ -209,10 +209,10 @@ def test_no_number_when_the_curves_are_too_coarse_or_never_cross(tmp_path, capsy
     study_dir = speedup_study(tmp_path, every=40)
     assert report_main([str(study_dir), "--no-tensorboard"]) == 0
     out = capsys.readouterr().out
-    assert ("- MuonEq-Nes (R) reaches Muon-Nes's final val/loss: no number; seed 0: crosses it "
-            "between validations at 40k tokens and 80k tokens, more than 25% apart: too coarse "
-            "to interpolate (target 2.848); seed 1: 81%; seed 2: 88%. Validate more often "
-            "(task.val_every_n_steps).") in out
+    assert ("- MuonEq-Nes (R) vs Muon-Nes's final val/loss: no number (not every seed pair has "
+            "one); seed 0: target 2.848, crosses it between validations at 40k tokens and 80k "
+            "tokens, more than 25% apart: too coarse to interpolate; seed 1: 81%; seed 2: 88%. "
+            "Validate more often (task.val_every_n_steps).") in out
 
 
 def test_one_pair_has_no_interval_and_a_slower_candidate_never_reaches(tmp_path, capsys):
@@ -223,8 +223,8 @@ def test_one_pair_has_no_interval_and_a_slower_candidate_never_reaches(tmp_path,
     (tmp_path / "slow").mkdir()
     study_dir = speedup_study(tmp_path / "slow", shares={0: 1.5})
     assert report_main([str(study_dir), "--no-tensorboard"]) == 0
-    assert ("seed 0: never reaches it (its last validation: 2.697 at 100k tokens) (target "
-            "2.495)") in capsys.readouterr().out
+    assert ("seed 0: target 2.495, never reaches it (its last validation: 2.697 at 100k "
+            "tokens).") in capsys.readouterr().out
 
 
 def test_speedup_by_optimizer_steps_when_runs_report_no_tokens(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """Reports of sweep studies (``muoneq report``): tables in Markdown and LaTeX with mean ± std
-over seeds, heatmaps and the robustness number, K / learning-rate sweep plots, learning curves.
-What a report holds is the ``report:`` section of the sweep file (:mod:`muoneq.report.schema`).
+over seeds, paired differences against baselines with 95% intervals (``paired``), token-efficiency
+speedups (``speedup``), heatmaps and the robustness number, K / learning-rate sweep plots,
+learning curves. What a report holds is the ``report:`` section of the sweep file
+(:mod:`muoneq.report.schema`).
 
 Public API::
 

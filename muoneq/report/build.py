@@ -23,7 +23,8 @@ class Report:
 
 
 def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool = True) -> Report:
-    """Tables (Markdown + LaTeX), heatmaps + robustness, line plots and learning curves.
+    """Tables (Markdown + LaTeX) with their paired differences and speedups, heatmaps +
+    robustness, line plots and learning curves.
 
     With ``tensorboard``, figures and tables also go to ``<out_dir>/tensorboard`` as images
     and text, replacing those of an earlier report. Without a ``report:`` section, one table of

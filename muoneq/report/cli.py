@@ -12,8 +12,9 @@ from muoneq.report.records import load_study_data
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="muoneq report",
-        description="Write the tables (Markdown, LaTeX), heatmaps, robustness, sweep plots and "
-                    "learning curves of a study to <study>/report/ and TensorBoard.",
+        description="Write the tables (Markdown, LaTeX) with paired differences over seeds "
+                    "(95% intervals) and token-efficiency speedups, heatmaps, robustness, sweep "
+                    "plots and learning curves of a study to <study>/report/ and TensorBoard.",
     )
     p.add_argument("target", type=Path,
                    help="a sweep file (sweeps/x.yaml, or the name x of a sweep muoneq ships: "

@@ -113,8 +113,8 @@ class Speedup:
         (…)``, or why there is no number."""
         c = self.comparison
         head = f"{c.candidate} reaches {c.baseline}'s final {self.tag}"
-        if c.group is not None:
-            head = f"{c.group}: {head}"
+        group = f"{c.group}: " if c.group is not None else ""
+        head = group + head
         interval = self.shares
         if interval is not None:
             if interval.half_width is None:
@@ -122,13 +122,15 @@ class Speedup:
             return (f"{head} at {_range(interval)} of its {self.unit} (mean and 95% interval "
                     f"over {interval.n} seed pairs).")
         if not self.crossings:
-            return f"{head}: no seed has {self.tag} curves of both (no number)."
+            return (f"{group}{c.candidate} vs {c.baseline}: no number (no seed has {self.tag} "
+                    "curves of both).")
         parts = [f"seed {x.seed}: " + (f"{x.share:.0%}" if x.problem is None else
-                                       f"{x.problem} (target {x.target:.4g})")
+                                       f"target {x.target:.4g}, {x.problem}")
                  for x in self.crossings]
         hint = " Validate more often (task.val_every_n_steps)." if any(
             "too coarse" in (x.problem or "") for x in self.crossings) else ""
-        return f"{head}: no number; " + "; ".join(parts) + "." + hint
+        return (f"{group}{c.candidate} vs {c.baseline}'s final {self.tag}: no number (not every "
+                "seed pair has one); " + "; ".join(parts) + "." + hint)
 
 
 def _curve(run: dict, tag: str) -> dict[int, float]:
@@ -195,7 +197,9 @@ def figure(found: Speedup, out_dir: Path, writer=None) -> Path:
                 if shares.half_width is not None else
                 f"reaches it at {shares.mean:.0%} of {c.baseline}'s {found.unit} (n=1)")
     else:
-        note = "no number: see the report"
+        missing = sum(x.x is None for x in found.crossings)
+        note = (f"no number: {missing} of {len(found.crossings)} seed pairs\n"
+                "have no crossing (see the report)")
     ax.text(0.98, 0.97, note, transform=ax.transAxes, ha="right", va="top", fontsize=9,
             bbox={"facecolor": "white", "edgecolor": "gray", "alpha": 0.9})
     ax.set_xscale("log")
