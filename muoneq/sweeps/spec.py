@@ -13,7 +13,6 @@ a *run* is one process: a point with one seed.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import shlex
 import string
@@ -335,7 +334,3 @@ def check_template(command: str, extra: dict, source: str = "<sweep>") -> None:
                                  f"allowed: {', '.join(sorted(known))}")
     if "{run_dir}" not in command:
         raise SweepError(f"{source}: launch.command must pass {{run_dir}} to the trial")
-
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
