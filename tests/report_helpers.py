@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 
@@ -15,9 +14,7 @@ def add_trial(study, point_cell, seed, value, *, state=TrialState.COMPLETE,
     run_dir = f"trials/{cell.replace(' ', ',')}/seed{seed}"
     study.add_trial(create_trial(
         state=state, value=value if state == TrialState.COMPLETE else None,
-        params={"cell": cell, "seed": seed},
-        distributions={"cell": CategoricalDistribution([cell]),
-                       "seed": CategoricalDistribution([seed])},
+        params={}, distributions={},
         user_attrs={"run_key": f"{cell} | seed={seed}", "point": point, "seeds": [seed],
                     "run_dirs": [run_dir],
                     "metrics": metrics or {"test_acc": value}, "outcome": outcome}))

@@ -268,3 +268,4 @@ def test_the_demo_reports_paired_differences_and_speedups_over_three_seeds(tmp_p
     (table,) = spec.report.tables
     assert table.deltas and table.speedup.tag == "val/loss"
     assert len(spec.seeds) == 3 and len(spec.points()) * len(spec.seeds) == 81
+    assert spec.bracket.axes == ["optimizer.lr", "optimizer.momentum"]

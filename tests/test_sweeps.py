@@ -147,6 +147,8 @@ def test_paper_sweep_files_have_their_paper_size(name):
     assert spec.objective.metric == metric
     assert spec.report.tables or spec.report.heatmaps or spec.report.lines
     assert all(p.as_dict()["optimizer"] in muoneq.OPTIMIZERS for p in spec.points())
+    # every study that chooses a learning rate brackets it (the K sweep holds the paper's)
+    assert name == "ksweep-gpt2" or "optimizer.lr" in spec.bracket.axes
 
 
 # ------------------------------------------------------------------------------- grid study
@@ -186,9 +188,9 @@ def test_duplicate_points_are_skipped(tmp_path):
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
         {"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]))
     driver = Driver(spec, options(tmp_path, workers=2))
-    cell = spec.points()[0].key
-    for _ in range(3):  # what racing workers produce: the same point handed out thrice
-        driver.study.enqueue_trial({"cell": cell, "seed": 0})
+    key = f"{spec.points()[0].key} | seed=0"
+    for _ in range(3):  # what racing drivers produce: the same run claimed thrice
+        driver.study.enqueue_trial({}, user_attrs={"run_key": key})
     assert driver.run().done == 1
     study = load(tmp_path)
     outcomes = sorted(t.user_attrs.get("outcome") for t in study.get_trials())
@@ -222,8 +224,7 @@ def test_pruning_by_global_step_stops_a_hopeless_run(tmp_path):
              "poll_s": 0.2}
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0], prune=prune))
     driver = Driver(spec, options(tmp_path, workers=1))
-    # The good run goes first (GridSampler's order is its own) and gives the median a curve.
-    driver.study.enqueue_trial({"cell": spec.points()[0].key, "seed": 0})
+    # The good run goes first (the plan's order is the grid's) and gives the median a curve.
     summary = driver.run()
     assert summary.done == 2
     study = load(tmp_path)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from muoneq.report import paired, speedup
+from muoneq.report import plan as plan_report
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
 from muoneq.report.records import StudyData
 from muoneq.report.schema import TableSpec
@@ -52,8 +53,16 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
              f"({data.direction}).\n"]
     if data.duplicates:
         parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
-    points = [p.as_dict() for p in spec.points()] if spec.is_grid else [
-        {a: r.get(a) for a in axes} for r in data.runs]
+    plan_md = plan_report.to_markdown(data.plan)
+    if plan_md:
+        (out_dir / "plan.md").write_text(plan_md.lstrip())
+        report.files.append(out_dir / "plan.md")
+        parts.append(plan_md)
+        if writer is not None:
+            writer.add_text("plan", plan_md)
+    # the grid as written first (its order), then whatever bracketing or a search added
+    points = [p.as_dict() for p in spec.points()] + [{a: r.get(a) for a in axes}
+                                                     for r in data.runs]
     for tspec in tables:
         table = build_table(data.runs, tspec, axes, data.objective, data.direction, points)
         found = paired.comparisons(table) if tspec.deltas else []

@@ -14,6 +14,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from muoneq.sweeps.ledger import ATTR_PLAN
 from muoneq.sweeps.spec import (
     Point,
     SweepError,
@@ -31,6 +32,9 @@ class StudyData:
     study_dir: Path
     runs: list[dict]
     duplicates: list[int] = field(default_factory=list)
+    #: what the sweep's plan added and why it stopped, as its drivers published it
+    #: (:meth:`muoneq.sweeps.plan.Plan.to_dict`); None for a TPE search or a plain grid
+    plan: dict | None = None
 
     @property
     def axes(self) -> list[str]:
@@ -111,4 +115,4 @@ def load_study_data(target: str | Path, *, storage: str | None = None,
             raise SweepError(f"study {name!r} was not made by `muoneq sweep` (no spec)")
         spec = spec_from_dict(study.user_attrs["spec"], source=f"study {name}")
     runs, duplicates = runs_from_trials(spec, study.get_trials(deepcopy=False), study_dir)
-    return StudyData(spec, study_dir, runs, duplicates)
+    return StudyData(spec, study_dir, runs, duplicates, study.user_attrs.get(ATTR_PLAN))

@@ -12,7 +12,9 @@ import optuna
 from muoneq.suite_files import suite_folder
 from muoneq.sweeps.driver import Driver, DriverOptions
 from muoneq.sweeps.launch import trial_command
-from muoneq.sweeps.spec import SweepError, load_sweep
+from muoneq.sweeps.ledger import published_plan
+from muoneq.sweeps.plan import describe
+from muoneq.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.sweeps.storage import storage_label
 from muoneq.sweeps.validate import check_trials, search_points
 
@@ -64,6 +66,8 @@ def main(argv: list[str]) -> int:
                             runs_dir=args.runs_dir, poll_s=args.poll)
     if args.dry_run:
         return _dry_run(spec, options)
+    if args.status:  # --status prints the plan itself
+        logging.getLogger("muoneq.sweeps").setLevel(logging.WARNING)
     try:
         driver = Driver(spec, options)
     except SweepError:
@@ -73,8 +77,13 @@ def main(argv: list[str]) -> int:
     where = storage_label(args.storage, driver.study_dir)
     if args.status:
         s = driver.summary()
+        plan = driver.ledger.plan
+        grows = plan is not None and not plan.finished
         print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "
-              f"{len(s.exhausted)} out of retries, {s.pending} to go")
+              f"{len(s.exhausted)} out of retries, {s.pending} to go"
+              + (" (the plan adds more as results come in)" if grows else ""))
+        for line in plan.lines() if plan is not None else []:
+            print(f"  {line}")
         return 0
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
@@ -92,20 +101,38 @@ def main(argv: list[str]) -> int:
 def _dry_run(spec, options: DriverOptions) -> int:
     study_dir = options.runs_dir / spec.study
     composed = check_trials(spec, study_dir)
-    if not spec.is_grid:
+    seeds = len(spec.seeds)
+    if spec.kind == "tpe":
         print(f"study {spec.study}: TPE over {', '.join(spec.search.params)}, "
-              f"{spec.search.n_trials} configurations × {len(spec.seeds)} seeds")
+              f"{spec.search.n_trials} configurations × {seeds} seeds")
+    elif spec.kind == "coordinate":
+        s = spec.search
+        print(f"study {spec.study}: coordinate descent over {', '.join(s.params)} from "
+              f"{Point(tuple(s.start.items())).key}, up to {s.max_cycles} cycles, threshold "
+              f"{s.threshold} (each point × {seeds} seeds; the path decides the points)")
+        for name, p in s.params.items():
+            print(f"  {name}: {', '.join(format_value(v) for v in p.values)}")
     else:
         points = spec.points()
-        print(f"study {spec.study}: {len(points)} points × {len(spec.seeds)} seeds = "
-              f"{len(points) * len(spec.seeds)} runs")
+        print(f"study {spec.study}: {len(points)} points × {seeds} seeds = "
+              f"{len(points) * seeds} runs")
         for p in points:
             print(f"  {p.key}")
-    first = spec.points()[0] if spec.is_grid else next(iter(search_points(spec)))
+        b = spec.bracket
+        if b is not None:
+            print(f"bracketing {', '.join(b.axes)}: up to {b.max_extensions} more values per "
+                  "family and axis, each × seeds, while a family's best sits on an edge")
+    said = published_plan(spec, options.storage, study_dir)
+    if said is not None:
+        print("the study so far (it exists):")
+        for line in describe(said):
+            print(f"  {line}")
+    first = next(iter(search_points(spec))) if spec.search is not None else spec.points()[0]
     argv, _, _ = trial_command(spec, first, spec.seeds[0], first.run_dir(study_dir,
                                                                          spec.seeds[0]))
     print("first command:", shlex.join(argv))
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
-          + (" (the search's bounds)" if not spec.is_grid else "")
+          + ({"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)"}
+             .get(spec.kind, ""))
           if composed else "not checked: launch.command does not run `muoneq train`")
     return 0

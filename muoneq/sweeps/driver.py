@@ -4,10 +4,14 @@ Each Optuna trial is one run (a grid point with one seed) or, for an open TPE se
 configuration evaluated on every seed (told their mean). Any number of drivers (``--workers``
 threads in one process, several processes, several machines on one RDB storage) share a study:
 
-* **duplicates**: ``GridSampler`` can hand one point to two workers; after ``ask`` a worker
-  skips its trial when the same run is already finished or running under a lower trial number
-  (so exactly one of two racing workers goes on). Skipped trials are told FAIL with
-  ``outcome=skipped`` and are never counted;
+* **the plan**: a grid's or a coordinate descent's points come from
+  :func:`muoneq.sweeps.plan.make_plan`, a pure function of the finished runs (bracketing grows
+  the grid as results come in), so every driver derives the same plan and a killed one derives
+  it again; each worker takes the plan's first open run;
+* **duplicates**: after ``ask`` a worker writes the run it takes into its trial, then skips it
+  when the same run is already finished or claimed under a lower trial number (so exactly one
+  of two racing drivers goes on). Skipped trials are told FAIL with ``outcome=skipped`` and are
+  never counted;
 * **stopping on counts**: a worker stops when every run of the grid (or ``search.n_trials``
   configurations) is finished or has used up its retries, and waits while other workers still
   hold the last runs (it takes them over if their driver dies);
@@ -44,8 +48,8 @@ from muoneq.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.sweeps.runner import Runner
 from muoneq.sweeps.scheduler import Scheduler, Wait
 from muoneq.sweeps.spec import Launch, SweepError, SweepSpec
-from muoneq.sweeps.study import open_study, quiet_grid_repeats
-from muoneq.sweeps.validate import check_trials
+from muoneq.sweeps.study import open_study
+from muoneq.sweeps.validate import check_trials, point_check
 
 log = logging.getLogger("muoneq.sweeps")
 
@@ -97,7 +101,8 @@ class Driver:
         self.slots = device_slots(spec.launch, self.opts.workers, self.opts.devices)
         self.validated = check_trials(spec, self.study_dir)  # before the study is created
         self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
-        self.ledger = Ledger(self.study, storage, spec, self.me)
+        check = point_check(spec, self.study_dir) if spec.bracket is not None else None
+        self.ledger = Ledger(self.study, storage, spec, self.me, check)
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()
@@ -118,7 +123,6 @@ class Driver:
 
     def run(self) -> Summary:
         """Work until the study is finished (or SIGINT/SIGTERM); return the final counts."""
-        quiet_grid_repeats()
         lock_path = self.me.lock_path()
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -1,11 +1,12 @@
 """What a study holds about each run, read and written through Optuna's public API only.
 
-A *run key* names one run: ``<point key> | seed=<seed>`` in a grid (one trial per point and
-seed), the point key in an open search (one trial runs every seed). The ledger groups the
-study's trials by run key (:class:`RunState`): finished, running under a live driver, orphaned
-(their driver died), queued, or failed; it counts what is done (:class:`Summary`) and records
-what happened to a trial (user attributes, then ``study.tell``), on the storage object the
-driver opened (``optuna.storages.BaseStorage``).
+A *run key* names one run: ``<point key> | seed=<seed>`` in a grid or a coordinate descent (one
+trial per point and seed), the point key in a TPE search (one trial runs every seed). The ledger
+groups the study's trials by run key (:class:`RunState`): finished, running under a live driver,
+orphaned (their driver died), queued, or failed; it derives the study's plan from the finished
+runs (:meth:`Ledger.replan`), counts what is done (:class:`Summary`) and records what happened
+to a trial (user attributes, then ``study.tell``), on the storage object the driver opened
+(``optuna.storages.BaseStorage``).
 
 A driver is alive while it holds its lock file ``<study>/drivers/<id>.lock`` (same machine) or
 its trials' heartbeats are fresh (other machines: ``retry.stale_after_s``).
@@ -27,7 +28,9 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from muoneq.sweeps import launch
+from muoneq.sweeps.plan import Check, Plan, make_plan
 from muoneq.sweeps.spec import Point, SweepSpec, format_value
+from muoneq.sweeps.storage import JOURNAL_NAME, open_storage
 from muoneq.sweeps.verdict import Verdict
 
 log = logging.getLogger("muoneq.sweeps")
@@ -37,6 +40,8 @@ ATTR_KEY, ATTR_POINT, ATTR_SEEDS, ATTR_DIRS = "run_key", "point", "seeds", "run_
 ATTR_DRIVER, ATTR_HOST, ATTR_BEAT, ATTR_OUTCOME = "driver", "host", "heartbeat", "outcome"
 #: user attr of a trial the driver enqueued to retry a failed one (its trial number)
 ATTR_RETRY_OF = "retry_of"
+#: study user attr: what the plan added and why it stopped (:meth:`Plan.to_dict`), for reports
+ATTR_PLAN = "plan"
 #: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
 FAILURES = ("failed", "timeout")
 DONE_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -103,39 +108,101 @@ class Summary:
         return 1 if self.exhausted or self.pending else 0
 
 
+SEED_SEP = " | seed="
+
+
 def grid_key(cell: str, seed: int) -> str:
-    return f"{cell} | seed={seed}"
+    """The run key of point ``cell`` (a point key) with ``seed`` in a planned study."""
+    return f"{cell}{SEED_SEP}{seed}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """``grid_key``'s inverse: (point key, seed)."""
+    cell, _, seed = key.rpartition(SEED_SEP)
+    return cell, int(seed)
 
 
 class Ledger:
     """The study's record of every run, for one driver (see the module docstring)."""
 
-    def __init__(self, study: optuna.Study, storage: BaseStorage, spec: SweepSpec, me: DriverId):
+    def __init__(self, study: optuna.Study, storage: BaseStorage, spec: SweepSpec, me: DriverId,
+                 check: Check | None = None):
         self.study, self.storage, self.spec, self.me = study, storage, spec, me
         self.study_id = storage.get_study_id_from_name(study.study_name)
-        #: grid points by key, and the run keys of the grid (empty for an open search)
-        self.points = {p.key: p for p in spec.points()} if spec.is_grid else {}
-        self.expected = {grid_key(k, s) for k in self.points for s in spec.seeds}
+        self.check = check  #: why a point bracketing would add cannot run (a config error)
+        #: the plan's points by key, and their run keys (empty for a TPE search)
+        self.plan: Plan | None = None
+        self.points: dict[str, Point] = {}
+        self.expected: set[str] = set()
         self._trial_ids: dict[int, int] = {}
+        self._said: dict | None = None
+        self._logged: set[str] = set()
+        if spec.planned:
+            self.replan()
 
     # ---------------------------------------------------------------------------------- keys
     def point_of(self, params: dict) -> Point | None:
-        if self.spec.is_grid:
-            return self.points.get(params.get("cell"))
+        """A TPE trial's point, from its parameters."""
         axes = self.spec.axes()
         if not all(a in params for a in axes):
             return None
         return Point(tuple((a, params[a]) for a in axes))
 
+    def point_of_trial(self, t: FrozenTrial) -> Point | None:
+        """The point a trial runs: from the plan (planned studies), else its parameters."""
+        if not self.spec.planned:
+            return self.point_of(t.params)
+        key = attr(t, ATTR_KEY)
+        return self.points.get(split_key(key)[0]) if key is not None else None
+
     def key_of(self, t: FrozenTrial) -> str | None:
         if ATTR_KEY in t.user_attrs:
             return t.user_attrs[ATTR_KEY]
-        if self.spec.is_grid:
-            if "cell" in t.params and "seed" in t.params:
-                return grid_key(t.params["cell"], t.params["seed"])
+        if self.spec.planned:
             return None
         point = self.point_of(t.params)
         return point.key if point is not None else None
+
+    # ---------------------------------------------------------------------------------- plan
+    def results(self, runs: dict[str, RunState]) -> dict[str, list[float | None]]:
+        """The objective per seed of every point whose runs have all finished or failed for
+        good (diverged or pruned: None), by point key (:data:`muoneq.sweeps.plan.Results`)."""
+        by_point: dict[str, dict[int, RunState]] = defaultdict(dict)
+        for key, state in runs.items():
+            cell, seed = split_key(key)
+            by_point[cell][seed] = state
+        out = {}
+        for cell, states in by_point.items():
+            values, final = [], True
+            for seed in self.spec.seeds:
+                state = states.get(seed)
+                if state is not None and state.done:
+                    t = state.done[0]
+                    values.append(t.value if t.state == TrialState.COMPLETE else None)
+                elif state is None or not self.exhausted(state):
+                    final = False
+                    break
+            if final:
+                out[cell] = values
+        return out
+
+    def replan(self, survey: Survey | None = None) -> Plan:
+        """Derive the plan from the finished runs; publish what it says when that changed."""
+        runs = (survey or self.survey()).runs
+        plan = make_plan(self.spec, self.results(runs), self.check)
+        self.plan = plan
+        self.points = {p.key: p for p in plan.points}
+        self.expected = {grid_key(k, s) for k in self.points for s in self.spec.seeds}
+        said = plan.to_dict()
+        if said != self._said and (plan.families or plan.path):
+            self._said = said
+            if said != self.study.user_attrs.get(ATTR_PLAN):
+                self.study.set_user_attr(ATTR_PLAN, said)
+            for line in plan.lines():
+                if line not in self._logged:
+                    self._logged.add(line)
+                    log.info("plan: %s", line)
+        return plan
 
     # --------------------------------------------------------------------------------- reads
     def trials(self) -> list[FrozenTrial]:
@@ -203,7 +270,7 @@ class Ledger:
         number), or the last configuration within an open search's budget when trial
         ``number`` is over it; None when trial ``number`` may run."""
         over_budget = None
-        if not self.spec.is_grid:
+        if not self.spec.planned:
             started, budget = self.configs_started(), self.spec.search.n_trials
             if number in started and started.index(number) >= budget:
                 over_budget = started[budget - 1]
@@ -219,8 +286,8 @@ class Ledger:
 
     def summary(self, runs: dict[str, RunState] | None = None) -> Summary:
         runs = self.survey().runs if runs is None else runs
-        keys = self.expected if self.spec.is_grid else set(runs)
-        total = len(keys) if self.spec.is_grid else self.spec.search.n_trials
+        keys = self.expected if self.spec.planned else set(runs)
+        total = len(keys) if self.spec.planned else self.spec.search.n_trials
         done = sum(1 for k in keys if runs.get(k) and runs[k].done)
         exhausted = sorted(k for k in keys if k in runs and self.exhausted(runs[k]))
         return Summary(total, done, exhausted, max(0, total - done - len(exhausted)))
@@ -269,3 +336,15 @@ class Ledger:
             log.log(logging.INFO if quiet else logging.WARNING, "trial %d (%s): %s%s %s",
                     number, key, verdict.outcome, note,
                     ("\n" + verdict.message) if verdict.message else "")
+
+
+def published_plan(spec: SweepSpec, url: str | None, study_dir: Path) -> dict | None:
+    """What the study's drivers last published about its plan (:data:`ATTR_PLAN`), or None when
+    the study does not exist yet; opens nothing that is not there."""
+    if url is None and not (Path(study_dir) / JOURNAL_NAME).exists():
+        return None
+    try:
+        study = optuna.load_study(study_name=spec.study, storage=open_storage(url, study_dir))
+    except KeyError:
+        return None
+    return study.user_attrs.get(ATTR_PLAN)

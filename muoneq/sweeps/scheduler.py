@@ -4,12 +4,14 @@ Under the driver's in-process lock, :meth:`Scheduler.next_job`
 
 1. settles the orphans (trials whose driver died): a finished run is told its result, a live
    process on this machine is adopted (:class:`Adopt`), anything else is failed (and retried);
-2. queues a retry for every run whose last attempt failed and that has retries left;
-3. stops when every run is finished or out of retries (:data:`None`), waits while other workers
-   hold the last runs (:class:`Wait`), or asks Optuna for a trial (:class:`Start`). A trial
-   whose run is already finished or running under a lower trial number (``GridSampler`` hands
-   a point to two workers; a retry raced) is told FAIL with ``outcome=skipped`` and the next one
-   is asked.
+2. derives the plan from the finished runs (a grid grown by bracketing, a coordinate
+   descent: :mod:`muoneq.sweeps.plan`);
+3. queues a retry for every run whose last attempt failed and that has retries left;
+4. stops when every run is finished or out of retries (:data:`None`), waits while other workers
+   hold the last runs (:class:`Wait`), or asks Optuna for a trial (:class:`Start`): a queued
+   retry, the plan's first open run, or TPE's next configuration. A trial whose run is already
+   finished or claimed under a lower trial number (two drivers raced for it) is told FAIL with
+   ``outcome=skipped`` and the next one is asked.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from muoneq.sweeps.ledger import (
     RunState,
     attr,
     grid_key,
+    split_key,
 )
 from muoneq.sweeps.spec import Point
 from muoneq.sweeps.verdict import judge
@@ -93,6 +96,8 @@ class Scheduler:
                     return adopted
             if orphans:
                 survey = self.ledger.survey()
+            if self.spec.planned:
+                self.ledger.replan(survey)
             queued = self._queue_retries(survey.runs)
             if not (queued or survey.unkeyed_waiting or self._fresh(survey.runs)
                     or any(s.waiting for s in survey.runs.values())):
@@ -105,29 +110,48 @@ class Scheduler:
     def _queue_retries(self, runs: dict[str, RunState]) -> bool:
         """Enqueue the parameters of every failed run with retries left; True if any."""
         queued = False
-        keys = self.ledger.expected if self.spec.is_grid else set(runs)  # not an old grid's
+        planned = self.spec.planned
+        keys = self.ledger.expected if planned else set(runs)  # not an old plan's
         for key in keys:
             state = runs.get(key)
             if state is not None and state.tried and self.ledger.is_open(state):
                 last = state.tried[-1]
                 self.ledger.study.enqueue_trial(
-                    last.params, user_attrs={ATTR_RETRY_OF: last.number, ATTR_KEY: key})
+                    {} if planned else last.params,
+                    user_attrs={ATTR_RETRY_OF: last.number, ATTR_KEY: key})
                 queued = True
         return queued
 
     def _fresh(self, runs: dict[str, RunState]) -> bool:
-        """Whether a run never tried remains: a grid run, or an open search's configuration."""
-        if self.spec.is_grid:
-            return any(k not in runs or self.ledger.is_open(runs[k]) for k in self.ledger.expected)
+        """Whether a run never tried remains: a planned run, or a TPE configuration."""
+        if self.spec.planned:
+            return self._next_open(runs) is not None
         return len(self.ledger.configs_started()) < self.spec.search.n_trials
+
+    def _next_open(self, runs: dict[str, RunState]) -> str | None:
+        """The plan's first run (in its order, then by seed) that needs an attempt."""
+        for cell in self.ledger.points:
+            for seed in self.spec.seeds:
+                key = grid_key(cell, seed)
+                if key not in runs or self.ledger.is_open(runs[key]):
+                    return key
+        return None
 
     def _ask(self) -> Start | None:
         """Ask a trial and claim its run; None when the run is taken (the trial is skipped)."""
         trial = self.ledger.study.ask()
-        if self.spec.is_grid:
-            cell = trial.suggest_categorical("cell", list(self.ledger.points))
-            seed = trial.suggest_categorical("seed", list(self.spec.seeds))
-            point, seeds, key = self.ledger.points[cell], (seed,), grid_key(cell, seed)
+        if self.spec.planned:
+            # A queued retry names its run; else take the plan's first open one. The claim is
+            # written before looking for an earlier one, so of two racing drivers the one with
+            # the lower trial number goes on (duplicate_of).
+            key = trial.user_attrs.get(ATTR_KEY) or self._next_open(self.ledger.survey().runs)
+            cell, seed = split_key(key) if key is not None else (None, 0)
+            if cell not in self.ledger.points:
+                self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
+                                 message=f"{key or 'no run'} is not open in the plan")
+                return None
+            trial.set_user_attr(ATTR_KEY, key)
+            point, seeds = self.ledger.points[cell], (seed,)
         else:
             params = {}
             for name, p in self.spec.search.params.items():
@@ -157,7 +181,7 @@ class Scheduler:
 
     def _settle_orphan(self, t: FrozenTrial, key: str) -> Adopt | None:
         """A trial whose driver died: tell its result, adopt its live process, or fail it."""
-        point = self.ledger.point_of(t.params)
+        point = self.ledger.point_of_trial(t)
         seeds = tuple(attr(t, ATTR_SEEDS) or ())
         dirs = [self.study_dir / d for d in attr(t, ATTR_DIRS, [])]
         if point is None or not dirs:

@@ -1,9 +1,10 @@
 """The sweep file: a typed OmegaConf schema, its validation, and the runs it describes.
 
 A sweep file (``sweeps/*.yaml``) names the experiment, the fixed training overrides, the search
-space (a grid given as a union of product blocks, or an open TPE search), the seeds (an axis of
-their own, never optimized), the objective metric from each run's ``metrics.json``, the launch
-template and the retry/pruning budget. ``load_sweep(path, dotlist)`` returns a
+space (a grid given as a union of product blocks, optionally grown until it brackets every
+optimum; a coordinate descent; or an open TPE search), the seeds (an axis of their own, never
+optimized), the objective metric from each run's ``metrics.json``, the launch template and the
+retry/pruning budget. ``load_sweep(path, dotlist)`` returns a
 :class:`SweepSpec`; misspelled keys and wrong types are errors that name the key.
 
 A *point* is one assignment of the search axes (``optimizer=muon_nes optimizer.lr=0.002``);
@@ -43,6 +44,8 @@ PLACEHOLDERS = (
 )
 PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
 PARAM_TYPES = ("float", "int", "categorical")
+SEARCH_TYPES = ("tpe", "coordinate")
+SCALES = ("auto", "log", "linear")
 
 
 class SweepError(UserError, ValueError):
@@ -89,21 +92,37 @@ class Prune:
 
 @dataclass
 class SearchParam:
-    type: str = "float"  #: float, int or categorical
-    low: float | None = None
-    high: float | None = None
-    log: bool = False
-    choices: list[Any] | None = None
+    type: str = "float"  #: TPE: float, int or categorical
+    low: float | None = None  #: TPE
+    high: float | None = None  #: TPE
+    log: bool = False  #: TPE
+    choices: list[Any] | None = None  #: TPE, categorical
+    values: list[Any] | None = None  #: coordinate descent: the axis' grid
 
 
 @dataclass
 class Search:
-    """An open search (TPE): each trial runs every seed and is told their mean."""
+    """An open search: TPE (each trial runs every seed and is told their mean), or coordinate
+    descent (:mod:`muoneq.sweeps.plan`; one trial per run, as a grid)."""
 
+    type: str = "tpe"  #: one of :data:`SEARCH_TYPES`
     params: dict[str, SearchParam] = field(default_factory=dict)
-    n_trials: int = 20
-    sampler_seed: int | None = None
-    n_startup_trials: int = 10
+    n_trials: int = 20  #: TPE
+    sampler_seed: int | None = None  #: TPE
+    n_startup_trials: int = 10  #: TPE
+    start: dict[str, Any] = field(default_factory=dict)  #: coordinate: every axis' first value
+    threshold: float = 0.0  #: coordinate: a move must improve by more than this (relative)
+    max_cycles: int = 3  #: coordinate: passes over the axes at most
+
+
+@dataclass
+class Bracket:
+    """Grow a grid until each family's best value is interior (:mod:`muoneq.sweeps.plan`)."""
+
+    axes: list[str] = field(default_factory=lambda: ["optimizer.lr"])
+    max_extensions: int = 4  #: values added per family and axis at most
+    scale: dict[str, str] = field(default_factory=dict)  #: axis → auto, log or linear
+    bounds: dict[str, list[float]] = field(default_factory=dict)  #: axis → [low, high]
 
 
 @dataclass
@@ -115,6 +134,7 @@ class SweepSpec:
     seeds: list[int] = field(default_factory=lambda: [0])
     grid: list[dict[str, Any]] = field(default_factory=list)  #: union of product blocks
     search: Search | None = None
+    bracket: Bracket | None = None  #: grids only
     objective: Objective = field(default_factory=Objective)
     launch: Launch = field(default_factory=Launch)
     retry: Retry = field(default_factory=Retry)
@@ -126,6 +146,17 @@ class SweepSpec:
     def is_grid(self) -> bool:
         return bool(self.grid)
 
+    @property
+    def kind(self) -> str:
+        """``grid``, ``coordinate`` or ``tpe``."""
+        return "grid" if self.grid else self.search.type
+
+    @property
+    def planned(self) -> bool:
+        """One trial per run, the points from :func:`muoneq.sweeps.plan.make_plan` (a grid or a
+        coordinate descent); else TPE chooses configurations, each run on every seed."""
+        return self.kind != "tpe"
+
     def axes(self) -> list[str]:
         """Search axes in order of first appearance (``seed`` excluded)."""
         if self.search is not None:
@@ -136,7 +167,8 @@ class SweepSpec:
         return list(seen)
 
     def points(self) -> list[Point]:
-        """Every grid point (blocks expanded, duplicates across blocks kept once)."""
+        """Every point of the grid as written (blocks expanded, duplicates across blocks kept
+        once); bracketing may add more (:mod:`muoneq.sweeps.plan`)."""
         axes = self.axes()
         out: dict[str, Point] = {}
         for block in self.grid:
@@ -272,28 +304,11 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
             where = f"grid[{i}].{axis}"
             if axis == "seed":
                 raise SweepError(f"{source}: {where}: seeds are their own axis; use 'seeds:'")
-            if not isinstance(values, list) or not values:
-                raise SweepError(f"{source}: {where} must be a non-empty list of values")
-            for v in values:
-                if not isinstance(v, str | int | float | bool):
-                    raise SweepError(f"{source}: {where}: value {v!r} is not a scalar")
-                if isinstance(v, str) and (" " in v or not v):
-                    raise SweepError(f"{source}: {where}: value {v!r} must be a non-empty word")
+            _check_values(values, where, source)
     if spec.search is not None:
-        if not spec.search.params:
-            raise SweepError(f"{source}: search.params is empty")
-        if spec.search.n_trials < 1:
-            raise SweepError(f"{source}: search.n_trials must be ≥ 1")
-        for name, p in spec.search.params.items():
-            where = f"search.params.{name}"
-            _choice(p.type, PARAM_TYPES, f"{where}.type", source)
-            if p.type == "categorical":
-                if not p.choices:
-                    raise SweepError(f"{source}: {where}.choices must be a non-empty list")
-            elif p.low is None or p.high is None or not p.low < p.high:
-                raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
-            elif p.log and p.low <= 0:
-                raise SweepError(f"{source}: {where}: log scale needs low > 0")
+        _check_search(spec.search, source)
+    if spec.bracket is not None:
+        _check_bracket(spec, source)
     if spec.experiment is None:
         missing = [p.key for p in (spec.points() if spec.is_grid else [])
                    if "experiment" not in p.as_dict()]
@@ -315,6 +330,94 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
         check_report(spec.report, spec.axes())
     except ValueError as err:
         raise SweepError(f"{source}: {err}") from None
+
+
+def _check_search(search: Search, source: str) -> None:
+    _choice(search.type, SEARCH_TYPES, "search.type", source)
+    if not search.params:
+        raise SweepError(f"{source}: search.params is empty")
+    coordinate = search.type == "coordinate"
+    for name, p in search.params.items():
+        where = f"search.params.{name}"
+        if coordinate:
+            if p.low is not None or p.high is not None or p.choices or p.log:
+                raise SweepError(f"{source}: {where}: coordinate descent takes 'values' (a "
+                                 "list), not low/high/log/choices (those are TPE's)")
+            _check_values(p.values, f"{where}.values", source)
+            if name not in search.start:
+                raise SweepError(f"{source}: search.start.{name} is missing: give the value "
+                                 "coordinate descent starts from on every axis")
+            _check_values([search.start[name]], f"search.start.{name}", source)
+            continue
+        if p.values is not None:
+            raise SweepError(f"{source}: {where}.values is for search.type=coordinate; TPE "
+                             "takes low/high (float, int) or choices (categorical)")
+        _choice(p.type, PARAM_TYPES, f"{where}.type", source)
+        if p.type == "categorical":
+            if not p.choices:
+                raise SweepError(f"{source}: {where}.choices must be a non-empty list")
+        elif p.low is None or p.high is None or not p.low < p.high:
+            raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
+        elif p.log and p.low <= 0:
+            raise SweepError(f"{source}: {where}: log scale needs low > 0")
+    if coordinate:
+        extra = sorted(set(search.start) - set(search.params))
+        if extra:
+            raise SweepError(f"{source}: search.start.{extra[0]} is not a search axis; axes: "
+                             f"{', '.join(search.params)}")
+        if search.threshold < 0 or search.max_cycles < 1:
+            raise SweepError(f"{source}: search needs threshold ≥ 0 and max_cycles ≥ 1 (got "
+                             f"{search.threshold}, {search.max_cycles})")
+    elif search.start:
+        raise SweepError(f"{source}: search.start is for search.type=coordinate")
+    elif search.n_trials < 1:
+        raise SweepError(f"{source}: search.n_trials must be ≥ 1")
+
+
+def _check_values(values: Any, where: str, source: str) -> None:
+    """A non-empty list of scalars; strings must be single words."""
+    if not isinstance(values, list) or not values:
+        raise SweepError(f"{source}: {where} must be a non-empty list of values")
+    for v in values:
+        if not isinstance(v, str | int | float | bool):
+            raise SweepError(f"{source}: {where}: value {v!r} is not a scalar")
+        if isinstance(v, str) and (" " in v or not v):
+            raise SweepError(f"{source}: {where}: value {v!r} must be a non-empty word")
+
+
+def _check_bracket(spec: SweepSpec, source: str) -> None:
+    b = spec.bracket
+    if not spec.is_grid:
+        raise SweepError(f"{source}: bracket grows a grid; this sweep has no 'grid'")
+    if not b.axes or b.max_extensions < 1:
+        raise SweepError(f"{source}: bracket needs axes (a list of grid axes) and "
+                         f"max_extensions ≥ 1 (got {list(b.axes)}, {b.max_extensions})")
+    for name, table in (("scale", b.scale), ("bounds", b.bounds)):
+        for axis in table:
+            if axis not in b.axes:
+                raise SweepError(f"{source}: bracket.{name}.{axis} is not a bracketed axis; "
+                                 f"bracket.axes: {', '.join(b.axes)}")
+    for axis in b.axes:
+        where = f"bracket.axes: {axis}"
+        blocks = [block[axis] for block in spec.grid if axis in block]
+        if not blocks:
+            raise SweepError(f"{source}: {where} is not a grid axis; axes: "
+                             f"{', '.join(spec.axes())}")
+        values = [v for vs in blocks for v in vs]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            raise SweepError(f"{source}: {where} has non-numeric values; only numeric axes "
+                             "can be bracketed")
+        if not any(len(set(vs)) >= 2 for vs in blocks):
+            raise SweepError(f"{source}: {where} needs two values or more in a block to have "
+                             "a spacing to continue")
+        scale = b.scale.get(axis, "auto")
+        _choice(scale, SCALES, f"bracket.scale.{axis}", source)
+        if scale == "log" and min(values) <= 0:
+            raise SweepError(f"{source}: bracket.scale.{axis}=log needs values > 0")
+        bounds = b.bounds.get(axis)
+        if bounds is not None and not (len(bounds) == 2 and bounds[0] < bounds[1]):
+            raise SweepError(f"{source}: bracket.bounds.{axis} must be [low, high] with "
+                             f"low < high (got {list(bounds)})")
 
 
 def check_template(command: str, extra: dict, source: str = "<sweep>") -> None:

@@ -9,7 +9,6 @@ study (``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for ``muoneq rep
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import optuna
@@ -20,20 +19,14 @@ from muoneq.sweeps.spec import SweepError, SweepSpec, spec_to_dict
 from muoneq.sweeps.storage import open_storage, storage_label
 
 
-class AskTellGridSampler(optuna.samplers.GridSampler):
-    """``GridSampler`` for ask/tell: its ``after_trial`` calls ``study.stop()``, which raises
-    outside ``study.optimize`` (optuna/optuna#5141) and reads a ``grid_id`` that enqueued
-    retries lack. The driver stops on its own counts instead."""
-
-    def after_trial(self, study, trial, state, values) -> None:
+def sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler | None:
+    """TPE over an open search's parameters; None (Optuna's default, never consulted) for a
+    grid or a coordinate descent, whose points the driver chooses from its plan: Optuna's
+    ``GridSampler`` keeps its grid as one categorical parameter, and a categorical's choices
+    may not change within a study ("CategoricalDistribution does not support dynamic value
+    space"), so a grid it sampled could never grow, by bracketing or by an edited sweep file."""
+    if spec.planned:
         return None
-
-
-def sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
-    """A grid's cells (points) × seeds, or TPE over an open search's parameters."""
-    if spec.is_grid:
-        return AskTellGridSampler({"cell": [p.key for p in spec.points()],
-                                   "seed": list(spec.seeds)})
     s = spec.search
     return optuna.samplers.TPESampler(seed=s.sampler_seed, n_startup_trials=s.n_startup_trials)
 
@@ -55,7 +48,8 @@ def fingerprint(spec: SweepSpec) -> dict:
     """What may not change while a study goes on (the grid and seeds may grow)."""
     return {"experiment": spec.experiment, "overrides": list(spec.overrides),
             "objective": [spec.objective.metric, spec.objective.direction],
-            "command": spec.launch.command, "kind": "grid" if spec.is_grid else "search"}
+            "command": spec.launch.command,
+            "kind": {"grid": "grid", "tpe": "search"}.get(spec.kind, spec.kind)}
 
 
 def open_study(spec: SweepSpec, url: str | None,
@@ -88,20 +82,3 @@ def open_study(spec: SweepSpec, url: str | None,
     study.set_user_attr("spec", spec_to_dict(spec))
     (study_dir / "sweep.yaml").write_text(OmegaConf.to_yaml(spec_to_dict(spec)))
     return study, storage
-
-
-class _GridRepeatFilter(logging.Filter):
-    """GridSampler warns when it re-proposes a point; the scheduler detects and skips those."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "re-evaluating a configuration" not in record.getMessage()
-
-
-def quiet_grid_repeats() -> None:
-    """Silence GridSampler's warning about re-proposed points (they are skipped as duplicates).
-
-    Optuna logs through ``logging.getLogger(__name__)`` of the module defining the sampler
-    (checked against Optuna 5.0.0); should that change, the warning shows and nothing else."""
-    grid_logger = logging.getLogger(optuna.samplers.GridSampler.__module__)
-    if not any(isinstance(f, _GridRepeatFilter) for f in grid_logger.filters):
-        grid_logger.addFilter(_GridRepeatFilter())

@@ -6,12 +6,14 @@ training), and the first bad point stops the sweep with its key and the config e
 folders that already hold a run (a ``config.yaml``) are compared with the config their point
 gives now: a changed experiment file or override never reuses, or continues, a run made with
 other settings. For an open (TPE) search, every search parameter is checked at its low and high
-bounds (every choice of a categorical one), with the others at their low bound or first choice.
+bounds (every choice of a categorical one), with the others at their low bound or first choice;
+for a coordinate descent, every value of every axis with the others at the start. Bracketing
+checks each value it would add the same way before adding it (:func:`point_check`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from muoneq.errors import UserError
@@ -32,13 +34,19 @@ def training_args(argv: Sequence[str]) -> list[str] | None:
 
 
 def search_points(spec: SweepSpec) -> Iterator[Point]:
-    params = spec.search.params
-    first = {n: p.choices[0] if p.type == "categorical" else p.low for n, p in params.items()}
-    seen = set()
+    """The points an open search's check composes (module docstring)."""
+    params, coordinate = spec.search.params, spec.search.type == "coordinate"
+    if coordinate:
+        first = {n: spec.search.start[n] for n in params}
+        yield Point(tuple(first.items()))
+    else:
+        first = {n: p.choices[0] if p.type == "categorical" else p.low for n, p in params.items()}
+    seen = {Point(tuple(first.items())).key} if coordinate else set()
     for name, p in params.items():
-        values = p.choices if p.type == "categorical" else [p.low, p.high]
+        values = (p.values if coordinate else
+                  p.choices if p.type == "categorical" else [p.low, p.high])
         for value in values:
-            if p.type == "int":
+            if p.type == "int" and not coordinate:
                 value = int(value)
             point = Point(tuple((n, value if n == name else first[n]) for n in params))
             if point.key not in seen:
@@ -52,7 +60,6 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
     Returns the number of configs composed (0 when the launch command does not run
     ``muoneq train``)."""
     from muoneq.runtime import record
-    from muoneq.runtime.config import compose
 
     points = spec.points() if spec.is_grid else list(search_points(spec))
     cache: dict = {}
@@ -63,16 +70,14 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
             saved = record.read_record(run_dir)
             if i and saved is None:
                 continue  # one seed is enough to type-check a point
-            argv, _, _ = trial_command(spec, point, seed, run_dir)
-            args = training_args(argv)
-            if args is None:
-                return 0
             try:
-                cfg = compose(args, cache=cache)
+                cfg = compose_point(spec, point, seed, run_dir, cache)
             except UserError as err:
                 raise SweepError(
                     f"point {point.key!r} (seed {seed}) is not a valid training config: {err}; "
                     "fix the sweep's overrides or grid (--dry-run checks every point)") from None
+            if cfg is None:
+                return 0
             composed += 1
             changed = [] if saved is None else record.changed_settings(saved, cfg)
             if changed:
@@ -82,3 +87,32 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
                     f"file or overrides it was run with, give the study another name (--set "
                     f"study=NAME), or delete that run folder", details=changed)
     return composed
+
+
+def compose_point(spec: SweepSpec, point: Point, seed: int, run_dir: Path, cache: dict):
+    """The training config ``point`` with ``seed`` runs with (raises the config's
+    :class:`UserError`), or None when the launch command does not run ``muoneq train``."""
+    from muoneq.runtime.config import compose
+
+    argv, _, _ = trial_command(spec, point, seed, run_dir)
+    args = training_args(argv)
+    return None if args is None else compose(args, cache=cache)
+
+
+def point_check(spec: SweepSpec, study_dir: Path) -> Callable[[Point], str | None]:
+    """``check(point)``: why ``point`` is not a valid training config (the config error's
+    text), or None; for the values bracketing would add (:data:`muoneq.sweeps.plan.Check`)."""
+    cache: dict = {}
+    seen: dict[str, str | None] = {}
+
+    def check(point: Point) -> str | None:
+        if point.key not in seen:
+            seed = spec.seeds[0]
+            try:
+                compose_point(spec, point, seed, point.run_dir(study_dir, seed), cache)
+                seen[point.key] = None
+            except UserError as err:
+                seen[point.key] = str(err)
+        return seen[point.key]
+
+    return check

@@ -1,0 +1,41 @@
+"""A trial program whose objective is a known function of its hyper-parameters (no training).
+
+Run as ``python tests/sweep_objective_program.py optimizer.lr=0.02 [optimizer.momentum=0.9]
+[opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] seed=0 run.dir=DIR``: it writes ``metrics.json``
+with ``val_loss = log2(lr / opt_lr)² + ((momentum − opt_momentum) / 0.05)² + 0.001·seed``
+(the momentum term only when a momentum is given), so the optimum of every sweep over it is
+known. Other ``key=value`` words (e.g. ``optimizer=muon``) are accepted and ignored. Each start
+appends a line to ``starts.log``, so tests can count how often a run folder was executed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def objective(args: dict[str, str]) -> float:
+    lr = float(args["optimizer.lr"])
+    value = math.log2(lr / float(args.get("opt_lr", "0.3"))) ** 2
+    if "optimizer.momentum" in args:
+        m, m_opt = float(args["optimizer.momentum"]), float(args.get("opt_momentum", "0.8"))
+        value += ((m - m_opt) / 0.05) ** 2
+    return value + 0.001 * int(args.get("seed", "0"))
+
+
+def main(argv: list[str]) -> int:
+    args = dict(word.split("=", 1) for word in argv)
+    run_dir = Path(args["run.dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "starts.log").open("a") as fh:
+        fh.write(f"{time.time()}\n")
+    time.sleep(float(args.get("sleep_s", "0")))
+    (run_dir / "metrics.json").write_text(json.dumps({"val_loss": objective(args)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
