@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from muoneq.report import load_study_data, write_report
     from muoneq.sweeps import Driver, DriverOptions
-    from muoneq.sweeps.spec import spec_from_dict
+    from muoneq.sweeps.spec import SweepError, spec_from_dict
 
     study_dir = args.runs_dir / DEMO_STUDY
     data_dir = study_dir / "data"
@@ -119,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     n_runs = len(spec.points()) * len(spec.seeds)
     print(f"demo: {n_runs} training runs (more if bracketing extends a grid), {args.workers} at "
           f"a time, in {study_dir}/ (interrupt and re-run to continue)", flush=True)
-    summary = Driver(spec, DriverOptions(workers=args.workers, runs_dir=args.runs_dir)).run()
+    try:
+        driver = Driver(spec, DriverOptions(workers=args.workers, runs_dir=args.runs_dir))
+    except SweepError as err:  # its way out names the sweep's --set, which the demo lacks
+        raise SweepError(
+            f"{study_dir} holds a demo run with other settings (an older muoneq?), which this "
+            f"demo would reuse; delete it (rm -r {study_dir}) or pass --runs-dir OTHER_FOLDER",
+            details=[str(err), *err.details]) from None
+    summary = driver.run()
     if summary.interrupted or summary.pending:
         print(f"demo: {summary.done}/{summary.total} runs done; re-run `make demo` to continue")
         return summary.exit_code

@@ -339,6 +339,22 @@ def test_resume_checks_the_number_of_processes():
     assert record.changed_settings(saved, cfg, world_size=1) == ["world_size: 2 → 1"]
 
 
+def test_a_key_newer_than_the_run_is_the_same_setting_at_its_default():
+    """Run folders made before a key existed (optimizer.split_fused, task.model.hf_*) still
+    resume: the key was added with the default that keeps the old behaviour."""
+    from muoneq.runtime import record
+
+    cfg = compose(["experiment=gpt2_small_fineweb"])
+    old = record.resolved(cfg)
+    del old["optimizer"]["split_fused"], old["task"]["model"]["hf_overrides"]
+    assert record.changed_settings(old, cfg) == []
+    split = compose(["experiment=gpt2_small_fineweb", "optimizer.split_fused=true"])
+    assert record.changed_settings(old, split) == ["optimizer.split_fused: — → true"]
+    # a key the run lacks whose value is not the schema's default is a difference
+    del old["optimizer"]["lr"]  # the recipe's 0.002, not the optimizer's own default
+    assert record.changed_settings(old, cfg) == ["optimizer.lr: — → 0.002"]
+
+
 def test_a_new_run_replaces_an_attempt_that_saved_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     with pytest.raises(RuntimeError, match="stopped by the test"):  # before any checkpoint

@@ -64,3 +64,24 @@ def test_grid_of_real_training_runs(tmp_path, monkeypatch):
         Driver(load_sweep(path), DriverOptions(runs_dir=runs))
     assert "made with other settings" in str(err.value) and "--set study=NAME" in str(err.value)
     assert err.value.details == ["schedule.min_lr_ratio: 0.0 → 0.1"]
+
+
+def test_the_demo_names_its_own_way_out_of_a_study_made_otherwise(tmp_path, capsys):
+    """`muoneq demo` has no --set: its refusal says what the demo accepts."""
+    from muoneq.cli import main
+    from muoneq.demo import demo_sweep
+    from muoneq.sweeps.spec import spec_from_dict
+    from muoneq.sweeps.study import open_study
+
+    study_dir = tmp_path / "runs" / "demo"
+    older = demo_sweep(study_dir / "data")
+    older["overrides"] = [*older["overrides"], "trainer.max_steps=10"]
+    open_study(spec_from_dict(older), None, study_dir)  # a demo study of another version
+    assert main(["demo", "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    (at,) = [i for i, line in enumerate(err) if line.startswith("muoneq: ")]
+    first, details = err[at], err[at + 1:]
+    assert first == (f"muoneq: {study_dir} holds a demo run with other settings (an older "
+                     f"muoneq?), which this demo would reuse; delete it (rm -r {study_dir}) or "
+                     "pass --runs-dir OTHER_FOLDER")
+    assert "--set study=NAME" in details[0] and "overrides" in details[0]

@@ -8,12 +8,16 @@ run, its ``fingerprint`` (a hash of every key that can change the result, see
 one entry in ``resumed`` per later session (with any non-result keys it changed). It is written
 when a run starts and is never rewritten with settings the run did not use: a session whose
 config differs in a key that can change the result is refused before it touches the folder
-(:func:`check_same_run`).
+(:func:`check_same_run`). A key the run's ``config.yaml`` lacks (the run is older than the key)
+counts as equal when it is at its schema default now: a key is only ever added with a default
+that keeps the behaviour runs had before it existed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import enum
 import hashlib
 import json
 import os
@@ -97,11 +101,35 @@ def read_record(run_dir: Path) -> dict | None:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
+def schema_default(cfg: DictConfig, key: str):
+    """The default the dataclass schema of ``cfg`` gives the flat ``key`` (enums by name), or
+    :data:`KeyError` (the class, as a marker) when it gives none."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return KeyError
+    for f in dataclasses.fields(schema):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                return KeyError
+            return value.name if isinstance(value, enum.Enum) else value
+    return KeyError
+
+
 def changed_settings(record: dict, cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """``key: old → new`` for every key that can change the result and differs between the run
-    recorded in ``record`` (a ``config.yaml``) and ``cfg``; with ``world_size``, the number of
+    recorded in ``record`` (a ``config.yaml``) and ``cfg`` (a key newer than the run counts as
+    equal at its schema default: module docstring); with ``world_size``, the number of
     processes too."""
     recorded, now = result_settings(record), result_settings(resolved(cfg))
+    for key in now.keys() - recorded.keys():
+        if now[key] == schema_default(cfg, key):
+            recorded[key] = now[key]
     if world_size is not None:
         previous = (record.get("provenance") or {}).get("world_size")
         if previous is not None:
