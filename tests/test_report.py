@@ -191,11 +191,16 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
         with SummaryWriter(str(run_dir / "tb")) as w:
             for step in (10, 20, 30):
                 w.add_scalar("val_loss", scale * 100 / step, step)
+                w.add_scalar("val_ppl", scale * 1e4 / step ** 2, step)
         runs.append({**opt("muoneq_nes", 0.02, "R"), "seed": seed, "val_loss": scale,
                      "_status": "complete", "_run_dir": str(run_dir), "_trial": seed})
-    out = learning_curves(runs, CurveSpec(tags=["val_loss", "absent"]), AXES, "val_loss",
-                          "minimize", tmp_path)
-    assert list(out) == ["val_loss"]
+    out = learning_curves(runs, CurveSpec(tags=["val_loss", "absent", "val_ppl"]), AXES,
+                          "val_loss", "minimize", tmp_path)
+    assert list(out) == ["val_loss", "val_ppl"]
+    # a curve spanning more than 10x (a perplexity from its first validation on) is on a log
+    # axis, where close curves stay apart; one within 10x keeps a linear one
+    ppl_axis = out["val_ppl"].figure.axes[0]
+    assert (ppl_axis.get_yscale(), ppl_axis.get_ylabel()) == ("log", "val_ppl (log scale)")
     plot = out["val_loss"]
     curve = plot.curves["MuonEq-Nes (R) (lr=0.02)"]
     assert curve.steps == [10, 20, 30] and curve.seeds == 2
@@ -205,6 +210,7 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
     assert imread(plot.path).shape[0] > 100
     ax = plot.figure.axes[0]  # the figure says what it averages, and over how many seeds
     assert ax.get_title() == "val_loss: mean over 2 seeds, band: min–max"
+    assert (ax.get_yscale(), ax.get_ylabel()) == ("linear", "val_loss")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "MuonEq-Nes (R) (lr=0.02), 2 seeds"]
     assert len(ax.collections) == 1  # the band

@@ -327,8 +327,11 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
                      f"{'s' if seeds != [1] else ''}"
                      + (", band: min–max" if max(seeds) > 1 else ""), fontsize=10)
         ax.set_xlabel("global step (optimizer steps)")
-        ax.set_ylabel(tag)
-        ax.grid(alpha=0.3)
+        values = [v for cv in plotted.values() for v in (*cv.low, *cv.high)]
+        if min(values) > 0 and max(values) > 10 * min(values):  # e.g. a perplexity from 200
+            ax.set_yscale("log")  # to 6: on a linear axis the close curves would be one line
+        ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
+        ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
         path = _save(fig, out_dir / f"curve_{slug(tag)}.png", writer, f"curves/{slug(tag)}")
         out[tag] = CurvePlot(path, fig, plotted)
