@@ -1,11 +1,16 @@
 """A trial program whose objective is a known function of its hyper-parameters (no training).
 
 Run as ``python tests/sweep_objective_program.py optimizer.lr=0.02 [optimizer.momentum=0.9]
-[opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] seed=0 run.dir=DIR``: it writes ``metrics.json``
-with ``val_loss = log2(lr / opt_lr)² + ((momentum − opt_momentum) / 0.05)² + 0.001·seed``
-(the momentum term only when a momentum is given), so the optimum of every sweep over it is
-known. Other ``key=value`` words (e.g. ``optimizer=muon``) are accepted and ignored. Each start
-appends a line to ``starts.log``, so tests can count how often a run folder was executed.
+[opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] [fail_first=false] [config_error=false] seed=0
+run.dir=DIR``: it writes ``metrics.json`` with ``val_loss = log2(lr / opt_lr)² + ((momentum −
+opt_momentum) / 0.05)² + 0.001·seed`` (the momentum term only when a momentum is given), so the
+optimum of every sweep over it is known, and it starts in a blink (no torch): the driver tests
+use it where they test the driver's bookkeeping, not a training run. Other ``key=value`` words
+(e.g. ``optimizer=muon``) are accepted and ignored. Each start appends a line to
+``starts.log``, so tests can count how often a run folder was executed. With
+``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
+``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
+``muoneq`` does for a config error.
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ def main(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / "starts.log").open("a") as fh:
         fh.write(f"{time.time()}\n")
+    if args.get("config_error") == "true":
+        print("muoneq: config_error=true; this run is told to fail as a config error")
+        return 2
     time.sleep(float(args.get("sleep_s", "0")))
+    if args.get("fail_first") == "true" and not (run_dir / "failed_once").exists():
+        (run_dir / "failed_once").write_text("")
+        return 3
     (run_dir / "metrics.json").write_text(json.dumps({"val_loss": objective(args)}))
     return 0
 

@@ -29,9 +29,13 @@ import muoneq
 from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
 from muoneq.sweeps.storage import open_storage
 
+#: the driver's bookkeeping is tested on trials whose objective is a known function (they start
+#: in a blink); pruning needs a learning curve: a real optimization (the trial program)
+OBJECTIVE = Path(__file__).with_name("sweep_objective_program.py")
 PROGRAM = Path(__file__).with_name("test_sweeps_trial_program.py")
 REPO = Path(__file__).resolve().parents[1]
-COMMAND = f"{{python}} {PROGRAM} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+COMMAND = f"{{python}} {OBJECTIVE} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+TRAINING = f"{{python}} {PROGRAM} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
 
 
 def write_sweep(path: Path, **fields) -> Path:
@@ -222,7 +226,8 @@ def test_pruning_by_global_step_stops_a_hopeless_run(tmp_path):
             {"optimizer": ["sgd"], "optimizer.lr": [1e-6], "steps": [60], "sleep_s": [0.1]}]
     prune = {"enabled": True, "tag": "val_loss", "pruner": "median", "n_startup_trials": 1,
              "poll_s": 0.2}
-    spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0], prune=prune))
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", grid=grid, seeds=[0], prune=prune,
+                                  launch={"command": TRAINING}))
     driver = Driver(spec, options(tmp_path, workers=1))
     # The good run goes first (the plan's order is the grid's) and gives the median a curve.
     summary = driver.run()
@@ -245,7 +250,7 @@ def sweep_cli(sweep: Path, tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_killed_driver_loses_and_repeats_nothing(tmp_path):
-    sweep = write_sweep(tmp_path / "s.yaml", overrides=["steps=20", "sleep_s=0.1"])
+    sweep = write_sweep(tmp_path / "s.yaml", overrides=["steps=20", "sleep_s=1.5"])
     study_dir = tmp_path / "runs" / "tiny"
     proc = subprocess.Popen(sweep_cli(sweep, tmp_path, "--workers", "2"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -267,7 +272,7 @@ def test_killed_driver_loses_and_repeats_nothing(tmp_path):
 
 
 #: three runs for two drivers of one worker each: both get work
-SHARED = {"overrides": ["steps=20", "sleep_s=0.1"], "seeds": [0, 1, 2],
+SHARED = {"overrides": ["steps=20", "sleep_s=1.5"], "seeds": [0, 1, 2],
           "grid": [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]}
 
 

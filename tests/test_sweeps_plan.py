@@ -265,7 +265,7 @@ BRACKETED = sweep(grid=[{"optimizer": ["a"], "optimizer.lr": [0.01, 0.02, 0.04]}
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_bracketing_driver_resumes_after_a_kill_without_repeating_a_run(tmp_path):
-    spec = {**BRACKETED, "overrides": ["opt_lr=0.3", "sleep_s=0.3"]}
+    spec = {**BRACKETED, "overrides": ["opt_lr=0.3", "sleep_s=0.15"]}
     path = write(tmp_path, spec)
     study_dir = tmp_path / "runs" / "plan"
     proc = subprocess.Popen(sweep_cli(path, tmp_path, "--workers", "2"),
