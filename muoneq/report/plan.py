@@ -3,7 +3,7 @@ values bracketing added, or the path a coordinate descent took (:mod:`muoneq.swe
 
 from __future__ import annotations
 
-from muoneq.sweeps.spec import format_value
+from muoneq.sweeps.spec import Point, format_value
 
 
 def _values(values: list) -> str:
@@ -38,7 +38,7 @@ def to_markdown(said: dict | None) -> str:
     if said["path"]:
         lines = ["| step | moved on | point | objective (mean over seeds) |", "|--:|:--|:--|--:|"]
         for i, step in enumerate(said["path"]):
-            point = " ".join(f"{k}={format_value(v)}" for k, v in step["point"].items())
+            point = Point(tuple(step["point"].items())).key
             value = "—" if step["value"] is None else f"{step['value']:.4g}"
             lines.append(f"| {i} | {step['axis'] or 'start'} | {point} | {value} |")
         parts.append(f"\n## Coordinate descent ({said['state']})\n\n" + "\n".join(lines) + "\n")

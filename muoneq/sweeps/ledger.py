@@ -28,7 +28,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from muoneq.sweeps import launch
-from muoneq.sweeps.plan import Check, Plan, make_plan
+from muoneq.sweeps.plan import Check, Plan, describe, make_plan
 from muoneq.sweeps.spec import Point, SweepSpec, format_value
 from muoneq.sweeps.storage import JOURNAL_NAME, open_storage
 from muoneq.sweeps.verdict import Verdict
@@ -198,7 +198,7 @@ class Ledger:
             self._said = said
             if said != self.study.user_attrs.get(ATTR_PLAN):
                 self.study.set_user_attr(ATTR_PLAN, said)
-            for line in plan.lines():
+            for line in describe(said):
                 if line not in self._logged:
                     self._logged.add(line)
                     log.info("plan: %s", line)

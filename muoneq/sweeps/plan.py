@@ -117,7 +117,7 @@ class Family:
 
     @property
     def label(self) -> str:
-        return " ".join(f"{k}={format_value(v)}" for k, v in self.fixed.items()) or "(all)"
+        return Point(tuple(self.fixed.items())).key or "(all)"
 
     def points(self, order: Sequence[str]) -> list[Point]:
         names = list(self.axes)
@@ -179,8 +179,7 @@ def describe(said: dict) -> list[str]:
     for i, step_ in enumerate(said["path"]):
         moved = "start" if step_["axis"] is None else f"moved on {step_['axis']}"
         value = "no result" if step_["value"] is None else f"{step_['value']:.4g}"
-        key = " ".join(f"{k}={format_value(v)}" for k, v in step_["point"].items())
-        out.append(f"{i}. {moved}: {key} → {value}")
+        out.append(f"{i}. {moved}: {Point(tuple(step_['point'].items())).key} → {value}")
     if said["state"]:
         out.append(f"coordinate descent: {said['state']}")
     return out

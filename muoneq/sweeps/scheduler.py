@@ -141,16 +141,13 @@ class Scheduler:
         """Ask a trial and claim its run; None when the run is taken (the trial is skipped)."""
         trial = self.ledger.study.ask()
         if self.spec.planned:
-            # A queued retry names its run; else take the plan's first open one. The claim is
-            # written before looking for an earlier one, so of two racing drivers the one with
-            # the lower trial number goes on (duplicate_of).
+            # A queued retry names its run; else take the plan's first open one.
             key = trial.user_attrs.get(ATTR_KEY) or self._next_open(self.ledger.survey().runs)
             cell, seed = split_key(key) if key is not None else (None, 0)
             if cell not in self.ledger.points:
                 self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
                                  message=f"{key or 'no run'} is not open in the plan")
                 return None
-            trial.set_user_attr(ATTR_KEY, key)
             point, seeds = self.ledger.points[cell], (seed,)
         else:
             params = {}
@@ -163,6 +160,9 @@ class Scheduler:
                     params[name] = trial.suggest_categorical(name, list(p.choices))
             point, seeds = self.ledger.point_of(params), tuple(self.spec.seeds)
             key = point.key
+        # The claim is written before looking for an earlier one, so of two racing drivers the
+        # one with the lower trial number goes on (duplicate_of).
+        trial.set_user_attr(ATTR_KEY, key)
         duplicate = self.ledger.duplicate_of(trial.number, key)
         if duplicate is not None:
             self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
@@ -172,7 +172,7 @@ class Scheduler:
             return None
         runs = self.ledger.survey().runs.get(key, RunState())
         dirs = [str(point.run_dir(self.study_dir, s).relative_to(self.study_dir)) for s in seeds]
-        attrs = {ATTR_KEY: key, ATTR_POINT: point.as_dict(), ATTR_SEEDS: list(seeds),
+        attrs = {ATTR_POINT: point.as_dict(), ATTR_SEEDS: list(seeds),
                  ATTR_DIRS: dirs, ATTR_DRIVER: self.me.id, ATTR_HOST: self.me.host,
                  ATTR_BEAT: time.time(), "attempt": runs.failures + 1}
         for name, value in attrs.items():

@@ -36,12 +36,14 @@ def training_args(argv: Sequence[str]) -> list[str] | None:
 def search_points(spec: SweepSpec) -> Iterator[Point]:
     """The points an open search's check composes (module docstring)."""
     params, coordinate = spec.search.params, spec.search.type == "coordinate"
+    seen = set()
     if coordinate:
         first = {n: spec.search.start[n] for n in params}
-        yield Point(tuple(first.items()))
+        start = Point(tuple(first.items()))
+        seen.add(start.key)
+        yield start
     else:
         first = {n: p.choices[0] if p.type == "categorical" else p.low for n, p in params.items()}
-    seen = {Point(tuple(first.items())).key} if coordinate else set()
     for name, p in params.items():
         values = (p.values if coordinate else
                   p.choices if p.type == "categorical" else [p.low, p.high])
