@@ -15,8 +15,8 @@ from report_helpers import add_trial
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
-from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
 from muoneq.report.tables import build_table, to_latex, to_markdown
+from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
 from muoneq.sweeps.spec import load_sweep
 from muoneq.sweeps.storage import open_storage
 

@@ -10,8 +10,8 @@ from muoneq.report import paired, speedup
 from muoneq.report import plan as plan_report
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
 from muoneq.report.records import StudyData
-from muoneq.report.schema import TableSpec
 from muoneq.report.tables import Table, build_table, to_latex, to_markdown
+from muoneq.sweeps.report_spec import TableSpec
 from muoneq.sweeps.spec import SweepError
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.report.tables import axis_name, best_of, better, cells, describe
 from muoneq.sweeps.events import ScalarReader
+from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.sweeps.spec import format_value
 
 

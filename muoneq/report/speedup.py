@@ -32,9 +32,9 @@ from matplotlib.ticker import EngFormatter, LogLocator
 
 from muoneq.report.figures import Curve, _save, mean_curve, slug
 from muoneq.report.paired import Comparison, Interval
-from muoneq.report.schema import SpeedupSpec
 from muoneq.report.tables import Cell
 from muoneq.sweeps.events import ScalarReader
+from muoneq.sweeps.report_spec import SpeedupSpec
 
 
 def amount(x: float, unit: str) -> str:

@@ -34,6 +34,7 @@ from muoneq.errors import Interrupted
 from muoneq.runtime import record
 from muoneq.runtime.callbacks import LastValidation, StepStats
 from muoneq.runtime.config import Resume
+from muoneq.runtime.metrics import METRICS_FILE
 from muoneq.runtime.record import CONFIG_FILE, RunFolderError, atomic_write
 from muoneq.runtime.tasks import get_task
 from muoneq.runtime.trainer import (
@@ -44,8 +45,6 @@ from muoneq.runtime.trainer import (
     build_trainer,
     check_accelerator,
 )
-
-METRICS_FILE = "metrics.json"
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 

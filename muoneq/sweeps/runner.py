@@ -20,8 +20,9 @@ from optuna.trial import TrialState
 
 from muoneq.sweeps import launch
 from muoneq.sweeps.events import ScalarReader
-from muoneq.sweeps.ledger import ATTR_BEAT, Ledger
+from muoneq.sweeps.ledger import Ledger
 from muoneq.sweeps.scheduler import Adopt, Job, Start
+from muoneq.sweeps.trial_record import TrialRecord
 from muoneq.sweeps.verdict import judge
 
 log = logging.getLogger("muoneq.sweeps")
@@ -122,7 +123,7 @@ class Ticker:
         if now - self.last_beat >= spec.retry.heartbeat_s:
             self.last_beat = now
             try:
-                self.runner.ledger.set_attrs(self.number, {ATTR_BEAT: time.time()})
+                self.runner.ledger.write(self.number, TrialRecord(heartbeat=time.time()))
             except Exception as err:  # a storage hiccup must not kill a long run
                 log.warning("heartbeat of trial %d failed: %s", self.number, err)
         if self.reader is not None and now - self.last_poll >= spec.prune.poll_s:

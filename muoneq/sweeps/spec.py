@@ -27,8 +27,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from muoneq.errors import UserError
-from muoneq.report.schema import DIRECTIONS, ReportSpec, check_report
 from muoneq.suite_files import suite_folder
+from muoneq.sweeps.report_spec import DIRECTIONS, ReportSpec, check_report
 
 #: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
 #: ``key=value`` (fixed overrides first, then the point's axes); ``resume=auto`` lets a retried
@@ -53,7 +53,7 @@ class SweepError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- the schema (structured configs)
-# (its ``report:`` section is the report's own: :mod:`muoneq.report.schema`)
+# (its ``report:`` section: :mod:`muoneq.sweeps.report_spec`)
 @dataclass
 class Objective:
     metric: str = MISSING  #: key of ``metrics.json`` told to Optuna
