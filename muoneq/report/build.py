@@ -6,7 +6,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from muoneq.report import paired, speedup
+from muoneq.report import optuna_views, paired, speedup
 from muoneq.report import plan as plan_report
 from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
 from muoneq.report.records import StudyData
@@ -113,6 +113,10 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
             path = curves[tag].path
             report.files.append(path)
             parts.append(f"\n![{path.stem}]({path.name})\n")
+    views = optuna_views.write_views(data, out_dir, writer)
+    if views is not None:
+        report.files += views.files
+        parts.append(optuna_views.to_markdown(views))
     if writer is not None:
         writer.close()
     report.markdown = "".join(parts)

@@ -23,7 +23,7 @@ from muoneq.sweeps.spec import (
     spec_from_dict,
 )
 from muoneq.sweeps.storage import JOURNAL_NAME, open_storage, storage_label
-from muoneq.sweeps.trial_record import STUDY_PLAN, STUDY_SPEC, TrialRecord
+from muoneq.sweeps.trial_record import STUDY_DISTRIBUTIONS, STUDY_PLAN, STUDY_SPEC, TrialRecord
 
 
 @dataclass
@@ -35,8 +35,10 @@ class StudyData:
     #: what the sweep's plan added and why it stopped, as its drivers published it
     #: (:meth:`muoneq.sweeps.plan.Plan.to_dict`); None for a TPE search or a plain grid
     plan: dict | None = None
-    #: the study's trials (for Optuna's own views: :mod:`muoneq.report.optuna_views`)
+    #: the study's trials and its axes' recorded Optuna distributions (JSON), for Optuna's own
+    #: views (:mod:`muoneq.report.optuna_views`)
     trials: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+    distributions: dict | None = None
 
     @property
     def axes(self) -> list[str]:
@@ -114,4 +116,5 @@ def load_study_data(target: str | Path, *, storage: str | None = None,
         spec = spec_from_dict(study.user_attrs[STUDY_SPEC], source=f"study {name}")
     trials = study.get_trials(deepcopy=False)
     runs, duplicates = runs_from_trials(spec, trials, study_dir)
-    return StudyData(spec, study_dir, runs, duplicates, study.user_attrs.get(STUDY_PLAN), trials)
+    return StudyData(spec, study_dir, runs, duplicates, study.user_attrs.get(STUDY_PLAN), trials,
+                     study.user_attrs.get(STUDY_DISTRIBUTIONS))
