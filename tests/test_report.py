@@ -274,7 +274,8 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
     assert len(list((report.out_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     markdown = (report.out_dir / "report.md").read_text()
     pngs = sorted(p.name for p in report.out_dir.glob("*.png"))
-    assert "robustness.png" in pngs and len(pngs) == 3
+    assert pngs == ["heatmap_Muon-Nes.png", "heatmap_MuonEq-Nes.png", "optuna_contour.png",
+                    "optuna_importances.png", "optuna_slice.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
 
