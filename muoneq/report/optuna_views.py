@@ -61,7 +61,12 @@ def view_study(data: StudyData) -> tuple[optuna.Study, list[str]]:
     axes = [a for a in data.axes if len({repr(v) for v in values[a]}) >= 2]
     saved = distributions.from_json(data.distributions)
     dists = {a: _distribution(values[a], saved.get(a)) for a in axes}
-    study = optuna.create_study(direction=data.direction)
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory"
+    try:
+        study = optuna.create_study(direction=data.direction)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     for t, point in points:
         params = {a: point[a] for a in axes if point.get(a) is not None}
         study.add_trial(optuna.trial.create_trial(
@@ -80,7 +85,6 @@ def write_views(data: StudyData, out_dir: Path, writer=None) -> OptunaViews | No
     target = f"{data.objective} ({'lower' if data.direction == 'minimize' else 'higher'} " \
              "is better)"
     files, importances, notes = [], {}, []
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         importances = optuna.importance.get_param_importances(study, params=axes)
     except (ValueError, RuntimeError) as err:

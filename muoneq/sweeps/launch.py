@@ -122,6 +122,12 @@ def lock_is_held(path: Path) -> bool:
     return False
 
 
+def append_log(run_dir: Path, line: str) -> None:
+    """Add a line of the driver's own to the run's ``trial.log``."""
+    with (Path(run_dir) / LOG_NAME).open("a") as fh:
+        fh.write(line.rstrip("\n") + "\n")
+
+
 def log_tail(run_dir: Path, lines: int = 15) -> str:
     path = Path(run_dir) / LOG_NAME
     if not path.exists():

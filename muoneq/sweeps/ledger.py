@@ -339,7 +339,8 @@ class Ledger:
         elif verdict.outcome == "diverged":
             log.info("trial %d (%s): diverged (%s)", number, key, verdict.message)
         elif verdict.missing_metric:
-            log.error("trial %d (%s): %s", number, key, verdict.message)
+            log.error("trial %d (%s): %s (not retried: fix objective.metric)", number, key,
+                      verdict.message)
         else:
             note = " (not retried: fix it, then re-run the sweep)" if (
                 verdict.outcome == "config_error") else ""

@@ -43,9 +43,14 @@ class Runner:
             self.ledger.tell(job.number, TrialState.FAIL, outcome="failed", message=str(err))
             log.error("%s", err)
             return
-        if outcomes is not None:
-            self.ledger.record(job.number, job.key,
-                               judge(outcomes, job.seeds, self.spec.objective.metric))
+        if outcomes is None:
+            return
+        verdict = judge(outcomes, job.seeds, self.spec.objective.metric)
+        if verdict.missing_metric:  # the run itself succeeded: say why the trial failed
+            for seed in job.seeds:
+                launch.append_log(job.point.run_dir(self.study_dir, seed),
+                                  f"muoneq sweep: trial {job.number} failed: {verdict.message}")
+        self.ledger.record(job.number, job.key, verdict)
 
     def _adopt(self, job: Adopt) -> list[launch.Outcome] | None:
         """Wait for the adopted processes; None when interrupted (the trial is left for the

@@ -53,7 +53,8 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
         state = TrialState.PRUNED if status == "pruned" else TrialState.FAIL
         return Verdict(state, status, message=last.message, record=record)
     if any(metric not in m for m in per_seed):
-        return Verdict(TrialState.FAIL, "failed", record=record, missing_metric=True,
+        # a retry would read the same file: the objective must be fixed (a config error)
+        return Verdict(TrialState.FAIL, "config_error", record=record, missing_metric=True,
                        message=f"{METRICS_FILE} has no {metric!r} (objective.metric); it has: "
                                f"{', '.join(sorted(per_seed[0]))}")
     values = [m[metric] for m in per_seed]
