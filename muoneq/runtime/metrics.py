@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 METRICS_FILE = "metrics.json"
+#: set to ``0`` in a run's environment, the run declares no TensorBoard HParams session of its
+#: own: a sweep writes its study's (:mod:`muoneq.sweeps.hparams`), one row per run
+HPARAMS_ENV = "MUONEQ_RUN_HPARAMS"
 
 #: keys :func:`muoneq.runtime.run.train` writes for every task
 RUN_KEYS = (

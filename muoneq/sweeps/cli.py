@@ -101,7 +101,7 @@ def _status(spec, options: DriverOptions) -> int:
         return 0
     logging.getLogger("muoneq.sweeps").setLevel(logging.WARNING)  # the plan is printed below
     check = point_check(spec, study_dir) if spec.bracket is not None else None
-    ledger = Ledger(*found, spec, DriverId.new(study_dir), check)
+    ledger = Ledger(*found, spec, DriverId.new(study_dir), study_dir, check)
     s, plan = ledger.summary(), ledger.plan
     grows = plan is not None and not plan.finished
     print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "

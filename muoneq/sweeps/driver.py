@@ -46,6 +46,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.sweeps import hparams
 from muoneq.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.sweeps.runner import Runner
 from muoneq.sweeps.scheduler import Scheduler, Wait
@@ -104,7 +105,8 @@ class Driver:
         self.validated = preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
         self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
-        self.ledger = Ledger(self.study, storage, spec, self.me, check)
+        self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
+        hparams.write_experiment(spec, self.study_dir)
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()

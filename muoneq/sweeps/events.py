@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
+from muoneq.sweeps.hparams import HPARAMS_DIR
+
 EVENT_GLOB = "events.out.tfevents.*"
 # The directory watcher logs "No path found after …" at INFO on every reload of a live run.
 logging.getLogger("tensorboard").setLevel(logging.WARNING)
@@ -28,6 +30,8 @@ class ScalarReader:
         if self.root.is_dir():
             for event_file in sorted(self.root.rglob(EVENT_GLOB)):
                 folder = event_file.parent
+                if folder.name == HPARAMS_DIR:  # a run's HParams session, not its curves
+                    continue
                 if folder not in self._accumulators:
                     self._accumulators[folder] = EventAccumulator(
                         str(folder), size_guidance={SCALARS: 0}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from muoneq.runtime.metrics import METRICS_FILE
+from muoneq.runtime.metrics import HPARAMS_ENV, METRICS_FILE
 from muoneq.sweeps.spec import Point, SweepSpec
 
 RECORD_NAME = "trial.json"
@@ -73,7 +73,8 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
               "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
-    env = {**os.environ, **{k: str(v) for k, v in spec.launch.env.items()}}
+    # the sweep writes the HParams view of its runs (muoneq.sweeps.hparams)
+    env = {**os.environ, HPARAMS_ENV: "0", **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = fields["devices"]
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}

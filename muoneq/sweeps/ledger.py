@@ -27,7 +27,7 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from muoneq.sweeps import distributions, launch
+from muoneq.sweeps import distributions, hparams, launch
 from muoneq.sweeps.plan import Check, Plan, describe, make_plan
 from muoneq.sweeps.spec import Point, SweepSpec, format_value
 from muoneq.sweeps.study import existing_study
@@ -114,8 +114,9 @@ class Ledger:
     """The study's record of every run, for one driver (see the module docstring)."""
 
     def __init__(self, study: optuna.Study, storage: BaseStorage, spec: SweepSpec, me: DriverId,
-                 check: Check | None = None):
+                 study_dir: Path, check: Check | None = None):
         self.study, self.storage, self.spec, self.me = study, storage, spec, me
+        self.study_dir = Path(study_dir)
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.check = check  #: why a point bracketing would add cannot run (a config error)
         #: the plan's points by key, and their run keys (empty for a TPE search)
@@ -329,9 +330,19 @@ class Ledger:
                         skip_if_finished=True)
 
     def record(self, number: int, key: str, verdict: Verdict) -> None:
-        """Tell how trial ``number`` (run ``key``) ended, and log it."""
+        """Tell how trial ``number`` (run ``key``) ended, log it, and add its finished runs to
+        TensorBoard's HParams view (:mod:`muoneq.sweeps.hparams`)."""
         self.tell(number, verdict.state, value=verdict.value, outcome=verdict.outcome,
                   message=verdict.message, record=verdict.record)
+        if verdict.outcome in ("complete", "diverged"):
+            rec = TrialRecord.of(self.storage.get_trial(self.trial_id(number)))
+            point = Point(tuple((rec.point or {}).items()))
+            try:
+                for _, metrics, rel in rec.runs():
+                    hparams.write_session(self.spec, point, self.study_dir / rel, metrics,
+                                          diverged=verdict.outcome == "diverged")
+            except OSError as err:  # the view is a convenience: never lose the trial over it
+                log.warning("trial %d: TensorBoard HParams not written: %s", number, err)
         metric = self.spec.objective.metric
         if verdict.outcome == "complete":
             log.info("trial %d (%s): %s = %s", number, key, metric,

@@ -1,0 +1,153 @@
+"""TensorBoard's HParams view of a study: its sensitivity view (table, parallel coordinates,
+scatter plots) over the swept axes, with the study's own metrics.
+
+``tensorboard --logdir runs/<study>`` finds
+
+* one experiment config for the whole study, in ``<study>/hparams/`` (written by each driver
+  when it starts): the search axes, plus the optimizer and MuonEq's mode, as hyper-parameters
+  (an axis that takes one value only is marked as not differing, so TensorBoard leaves it out of
+  its default view; the run's other, constant settings are not declared at all), and as
+  metrics the objective and every metric the ``report:`` section names, under their own names
+  (``val/ppl``, ``test/acc``, ``step_time_s``), the objective's description saying which way
+  is better;
+* one session per finished run, in ``<run dir>/hparams/`` (written when its trial is told):
+  its point's values, its optimizer and mode as the run's ``config.yaml`` records them, grouped
+  by the point's key (its seeds are one row, TensorBoard shows their mean), and the final value
+  of each declared metric from its ``metrics.json`` as a scalar at the run's last global step.
+
+The training process writes no session of its own while a sweep runs it (the driver sets
+:data:`muoneq.runtime.metrics.HPARAMS_ENV`), so each run is one row. The HParams protocol
+buffers are TensorBoard's own (``tensorboard.plugins.hparams``); TensorBoard's hparams
+``summary`` module needs TensorFlow, so the three summaries are assembled here from its
+``api_pb2`` / ``plugin_data_pb2`` messages and written with its ``EventFileWriter``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from muoneq.sweeps.report_spec import metrics_named
+from muoneq.sweeps.spec import Point, SweepSpec
+
+#: the folder of the HParams summaries, under the study folder and under each run folder
+HPARAMS_DIR = "hparams"
+#: settings shown beside the axes, read from a run's config.yaml: the optimizer and its mode
+EXTRA = ("optimizer", "optimizer.mode")
+
+
+def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> summary_pb2.Summary:
+    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=tag, metadata=metadata.create_summary_metadata(data))])
+
+
+def _write(folder: Path, summaries: Iterable[summary_pb2.Summary], step: int = 0) -> None:
+    """Replace the event files of ``folder`` (one the sweep made) with ``summaries``."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    writer = EventFileWriter(str(folder))
+    for summary in summaries:
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+    writer.close()
+
+
+def declared_metrics(spec: SweepSpec) -> dict[str, str]:
+    """The metrics of the HParams view, each with its description."""
+    better = "lower" if spec.objective.direction == "minimize" else "higher"
+    out = {spec.objective.metric: f"the study's objective ({better} is better)"}
+    for metric, field in metrics_named(spec.report).items():
+        out.setdefault(metric, f"named by {field}")
+    return out
+
+
+def axis_values(spec: SweepSpec) -> dict[str, list[Any]]:
+    """The values each axis takes in the sweep file (an open search: its bounds or choices)."""
+    from muoneq.sweeps.distributions import axis_blocks
+
+    if not spec.planned:
+        return {n: list(p.choices) if p.type == "categorical" else [p.low, p.high]
+                for n, p in spec.search.params.items()}
+    return {a: list(dict.fromkeys(v for block in blocks for v in block))
+            for a, blocks in axis_blocks(spec).items()}
+
+
+def _type(values: Iterable[Any]) -> int:
+    values = list(values)
+    if values and all(isinstance(v, bool) for v in values):
+        return api_pb2.DATA_TYPE_BOOL
+    if values and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return api_pb2.DATA_TYPE_FLOAT64
+    return api_pb2.DATA_TYPE_STRING
+
+
+def write_experiment(spec: SweepSpec, study_dir: Path) -> None:
+    """The study's experiment config (module docstring), in ``<study>/hparams/``."""
+    values = axis_values(spec)
+    infos = [api_pb2.HParamInfo(name=a, type=_type(v), differs=len(v) > 1)
+             for a, v in values.items()]
+    infos += [api_pb2.HParamInfo(name=name, type=api_pb2.DATA_TYPE_STRING, differs=True)
+              for name in EXTRA if name not in values]
+    metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m), display_name=m,
+                                  description=text)
+               for m, text in declared_metrics(spec).items()]
+    experiment = api_pb2.Experiment(name=spec.study, description=spec.description,
+                                    time_created_secs=time.time(), hparam_infos=infos,
+                                    metric_infos=metrics)
+    _write(Path(study_dir) / HPARAMS_DIR,
+           [_summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(
+               experiment=experiment))])
+
+
+def _value(value: Any):
+    """An hparam value as the protocol buffer's ``Value``."""
+    from google.protobuf import struct_pb2
+
+    if isinstance(value, bool):
+        return struct_pb2.Value(bool_value=value)
+    if isinstance(value, int | float):
+        return struct_pb2.Value(number_value=float(value))
+    return struct_pb2.Value(string_value=str(value))
+
+
+def run_settings(run_dir: Path) -> dict[str, Any]:
+    """The optimizer and mode a run's ``config.yaml`` records (empty for a run that is not a
+    ``muoneq train`` run)."""
+    from muoneq.runtime import record
+
+    saved = record.read_record(run_dir)
+    if saved is None:
+        return {}
+    flat = record.flatten(saved)
+    found = {"optimizer": flat.get("optimizer.name"), "optimizer.mode": flat.get("optimizer.mode")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def write_session(spec: SweepSpec, point: Point, run_dir: Path, metrics: Mapping[str, Any],
+                  diverged: bool = False) -> None:
+    """One finished run's session (module docstring), in ``<run dir>/hparams/``."""
+    hparams = {**run_settings(run_dir), **point.as_dict()}
+    start = plugin_data_pb2.SessionStartInfo(group_name=point.key,
+                                             start_time_secs=time.time())
+    for name, value in hparams.items():
+        start.hparams[name].CopyFrom(_value(value))
+    status = api_pb2.STATUS_FAILURE if diverged else api_pb2.STATUS_SUCCESS
+    end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
+    scalars = [summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=m, simple_value=float(metrics[m]))]) for m in declared_metrics(spec)
+        if isinstance(metrics.get(m), int | float) and math.isfinite(metrics[m])]
+    step = metrics.get("global_step")
+    _write(Path(run_dir) / HPARAMS_DIR, [
+        _summary(metadata.SESSION_START_INFO_TAG,
+                 plugin_data_pb2.HParamsPluginData(session_start_info=start)),
+        *scalars,
+        _summary(metadata.SESSION_END_INFO_TAG,
+                 plugin_data_pb2.HParamsPluginData(session_end_info=end))],
+        step=step if isinstance(step, int) else 0)
