@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import csv
 
-import optuna
 import pytest
-import yaml
 from matplotlib.image import imread
 from optuna.trial import TrialState
-from report_helpers import add_trial
+from report_helpers import add_trial, stored_study
 
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
@@ -24,8 +22,6 @@ from muoneq.report.figures import (
 )
 from muoneq.report.tables import build_table, to_latex, to_markdown
 from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
-from muoneq.sweeps.spec import load_sweep
-from muoneq.sweeps.storage import open_storage
 
 NAN = float("nan")
 
@@ -239,15 +235,8 @@ def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, cap
              "objective": {"metric": "test_acc", "direction": "maximize"},
              "report": {"tables": [{"name": "ablation",
                                     "metrics": [{"key": "test_acc", "scale": 100}]}]}}
-    path = tmp_path / "mini.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    spec = load_sweep(path)
+    path, spec, study = stored_study(tmp_path, sweep)
     study_dir = tmp_path / "runs" / "mini"
-    study = optuna.create_study(study_name="mini", storage=open_storage(None, study_dir),
-                                direction="maximize")
-    from muoneq.sweeps.spec import spec_to_dict
-
-    study.set_user_attr("spec", spec_to_dict(spec))
     cells = [(p.as_dict(), p.key) for p in spec.points()]
     values = {0: (0.90, 0.92), 1: (0.94, 0.95), 2: (0.95, 0.97)}
     for i, (a, b) in values.items():
@@ -278,12 +267,7 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
              "report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}],
                         "tables": [{"name": "t", "select": ["optimizer.lr",
                                                             "optimizer.momentum"]}]}}
-    path = tmp_path / "hm.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    spec = load_sweep(path)
-    study_dir = tmp_path / "runs" / "hm"
-    study = optuna.create_study(study_name="hm", storage=open_storage(None, study_dir),
-                                direction="maximize")
+    path, spec, study = stored_study(tmp_path, sweep)
     for i, p in enumerate(spec.points()):
         add_trial(study, (p.as_dict(), p.key), 0, 0.9 + 0.01 * i)
     for _ in range(2):  # a second report replaces the first one's TensorBoard images

@@ -10,17 +10,15 @@ from pathlib import Path
 
 import matplotlib
 import optuna
-import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
-from report_helpers import add_trial
+from report_helpers import add_trial, stored_study
 from test_sweeps import load, options, write_sweep
 
 from muoneq.report import load_study_data, write_report
 from muoneq.sweeps import Driver, load_sweep
 from muoneq.sweeps.distributions import merge, spec_distributions
-from muoneq.sweeps.spec import spec_from_dict, spec_to_dict
-from muoneq.sweeps.storage import open_storage
+from muoneq.sweeps.spec import spec_from_dict
 from muoneq.sweeps.trial_record import TrialRecord
 
 matplotlib.use("Agg")
@@ -114,13 +112,8 @@ def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
              "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.01, 0.02, 0.04],
                        "optimizer.momentum": [0.9, 0.95]}],
              "objective": {"metric": "test_acc", "direction": "maximize"}}
-    path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    spec = load_sweep(path)
+    _, spec, study = stored_study(tmp_path, sweep)
     study_dir = tmp_path / "runs" / "old"
-    study = optuna.create_study(study_name="old", storage=open_storage(None, study_dir),
-                                direction="maximize")
-    study.set_user_attr("spec", spec_to_dict(spec))
     for p in spec.points():
         point = p.as_dict()
         value = 0.9 - abs(math.log2(point["optimizer.lr"] / 0.02)) / 10 - (
