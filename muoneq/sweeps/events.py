@@ -12,9 +12,11 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-from muoneq.sweeps.hparams import HPARAMS_DIR
-
 EVENT_GLOB = "events.out.tfevents.*"
+#: the folder of the HParams summaries (:mod:`muoneq.sweeps.hparams`), under the study folder and
+#: under each run folder: a run's session there is no learning curve
+HPARAMS_DIR = "hparams"
+
 # The directory watcher logs "No path found after …" at INFO on every reload of a live run.
 logging.getLogger("tensorboard").setLevel(logging.WARNING)
 

@@ -25,7 +25,6 @@ buffers are TensorBoard's own (``tensorboard.plugins.hparams``); TensorBoard's h
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -35,11 +34,10 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from muoneq.sweeps.events import EVENT_GLOB, HPARAMS_DIR
 from muoneq.sweeps.report_spec import metrics_named
 from muoneq.sweeps.spec import Point, SweepSpec
 
-#: the folder of the HParams summaries, under the study folder and under each run folder
-HPARAMS_DIR = "hparams"
 #: settings shown beside the axes, read from a run's config.yaml: the optimizer and its mode
 EXTRA = ("optimizer", "optimizer.mode")
 
@@ -50,9 +48,11 @@ def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> summary_pb2.S
 
 
 def _write(folder: Path, summaries: Iterable[summary_pb2.Summary], step: int = 0) -> None:
-    """Replace the event files of ``folder`` (one the sweep made) with ``summaries``."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    """Replace the event files of ``folder`` with one holding ``summaries`` (the folder's
+    other files, if someone put any there, are left alone)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob(EVENT_GLOB):
+        old.unlink()
     writer = EventFileWriter(str(folder))
     for summary in summaries:
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
