@@ -4,15 +4,16 @@ scatter plots) over the swept axes, with the study's own metrics.
 ``tensorboard --logdir runs/<study>`` finds
 
 * one experiment config for the whole study, in ``<study>/hparams/`` (written by each driver
-  when it starts): the search axes, plus the optimizer and MuonEq's mode, as hyper-parameters
-  (an axis that takes one value only is marked as not differing, so TensorBoard leaves it out of
-  its default view; the run's other, constant settings are not declared at all), and as
+  when it starts): the swept axes (those of more than one value), plus the optimizer and
+  MuonEq's mode, as hyper-parameters (constants, an axis of one value among them, are left out
+  of the view: TensorBoard shows every declared one), and as
   metrics the objective and every metric the ``report:`` section names, under their own names
   (``val/ppl``, ``test/acc``, ``step_time_s``), the objective's description saying which way
   is better;
 * one session per finished run, in ``<run dir>/hparams/`` (written when its trial is told):
   its point's values, its optimizer and mode as the run's ``config.yaml`` records them, grouped
-  by the point's key (its seeds are one row, TensorBoard shows their mean), and the final value
+  by its swept values (``lr=0.002 momentum=0.95``: its seeds are one row, TensorBoard shows
+  their mean; the run's folder is named by its whole point), and the final value
   of each declared metric from its ``metrics.json`` as a scalar at the run's last global step.
 
 The training process writes no session of its own while a sweep runs it (the driver sets
@@ -36,7 +37,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from muoneq.sweeps.events import EVENT_GLOB, HPARAMS_DIR
 from muoneq.sweeps.report_spec import metrics_named
-from muoneq.sweeps.spec import Point, SweepSpec
+from muoneq.sweeps.spec import Point, SweepSpec, format_value
 
 #: settings shown beside the axes, read from a run's config.yaml: the optimizer and its mode
 EXTRA = ("optimizer", "optimizer.mode")
@@ -88,13 +89,25 @@ def _type(values: Iterable[Any]) -> int:
     return api_pb2.DATA_TYPE_STRING
 
 
+def swept(spec: SweepSpec) -> list[str]:
+    """The axes that take more than one value (the others are constants of the study)."""
+    return [a for a, v in axis_values(spec).items() if len(v) > 1]
+
+
+def group_name(spec: SweepSpec, point: Point) -> str:
+    """A run's row in the HParams table: its swept axes' values (``lr=0.002 mode=R``), short
+    enough for the table's Trial ID column; its seeds share it."""
+    axes = swept(spec)
+    return " ".join(f"{a.removeprefix('optimizer.')}={format_value(v)}"
+                    for a, v in point.items if a in axes) or point.key
+
+
 def write_experiment(spec: SweepSpec, study_dir: Path) -> None:
     """The study's experiment config (module docstring), in ``<study>/hparams/``."""
     values = axis_values(spec)
-    infos = [api_pb2.HParamInfo(name=a, type=_type(v), differs=len(v) > 1)
-             for a, v in values.items()]
-    infos += [api_pb2.HParamInfo(name=name, type=api_pb2.DATA_TYPE_STRING, differs=True)
-              for name in EXTRA if name not in values]
+    declared = [*swept(spec), *(name for name in EXTRA if name not in swept(spec))]
+    infos = [api_pb2.HParamInfo(name=a, type=_type(values.get(a, ["text"])),
+                                differs=len(values.get(a, ())) > 1) for a in declared]
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m), display_name=m,
                                   description=text)
                for m, text in declared_metrics(spec).items()]
@@ -134,7 +147,7 @@ def write_session(spec: SweepSpec, point: Point, run_dir: Path, metrics: Mapping
                   diverged: bool = False) -> None:
     """One finished run's session (module docstring), in ``<run dir>/hparams/``."""
     hparams = {**run_settings(run_dir), **point.as_dict()}
-    start = plugin_data_pb2.SessionStartInfo(group_name=point.key,
+    start = plugin_data_pb2.SessionStartInfo(group_name=group_name(spec, point),
                                              start_time_secs=time.time())
     for name, value in hparams.items():
         start.hparams[name].CopyFrom(_value(value))
