@@ -67,6 +67,10 @@ def test_a_two_axis_study_declares_its_axes_and_metrics_and_one_session_per_run(
                                        f"optimizer.momentum={momentum:g},optimizer.ns_steps=5")
         assert group == f"lr={lr:g} momentum={momentum:g}"
         assert hparams["optimizer"] == "muon_nes" and hparams["optimizer.ns_steps"] == 5
+        # a value for every declared one (TensorBoard's parallel coordinates drop a row that
+        # lacks one): no config.yaml here, so no mode
+        assert {h.name for h in exp.hparam_infos} <= set(hparams)
+        assert hparams["optimizer.mode"] == "n/a"
         metrics = json.loads((run_dir / "metrics.json").read_text())
         assert set(scalars) == {"val_loss"}  # float32 in the event file
         assert scalars["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-6, abs=1e-9)

@@ -81,6 +81,7 @@ def axis_values(spec: SweepSpec) -> dict[str, list[Any]]:
 
 
 def _type(values: Iterable[Any]) -> int:
+    """Bool, float or (also for no values: the optimizer, the mode) string."""
     values = list(values)
     if values and all(isinstance(v, bool) for v in values):
         return api_pb2.DATA_TYPE_BOOL
@@ -94,6 +95,12 @@ def swept(spec: SweepSpec) -> list[str]:
     return [a for a, v in axis_values(spec).items() if len(v) > 1]
 
 
+def declared_hparams(spec: SweepSpec) -> list[str]:
+    """The hyper-parameters of the HParams view: the swept axes, the optimizer and its mode."""
+    axes = swept(spec)
+    return [*axes, *(name for name in EXTRA if name not in axes)]
+
+
 def group_name(spec: SweepSpec, point: Point) -> str:
     """A run's row in the HParams table: its swept axes' values (``lr=0.002 mode=R``), short
     enough for the table's Trial ID column; its seeds share it."""
@@ -105,9 +112,9 @@ def group_name(spec: SweepSpec, point: Point) -> str:
 def write_experiment(spec: SweepSpec, study_dir: Path) -> None:
     """The study's experiment config (module docstring), in ``<study>/hparams/``."""
     values = axis_values(spec)
-    declared = [*swept(spec), *(name for name in EXTRA if name not in swept(spec))]
-    infos = [api_pb2.HParamInfo(name=a, type=_type(values.get(a, ["text"])),
-                                differs=len(values.get(a, ())) > 1) for a in declared]
+    infos = [api_pb2.HParamInfo(name=a, type=_type(values.get(a, ())),
+                                differs=len(values.get(a, ())) > 1)
+             for a in declared_hparams(spec)]
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m), display_name=m,
                                   description=text)
                for m, text in declared_metrics(spec).items()]
@@ -130,23 +137,37 @@ def _value(value: Any):
     return struct_pb2.Value(string_value=str(value))
 
 
-def run_settings(run_dir: Path) -> dict[str, Any]:
-    """The optimizer and mode a run's ``config.yaml`` records (empty for a run that is not a
-    ``muoneq train`` run)."""
+#: the value of an optimizer or mode a run does not have (AdamW has no mode): TensorBoard's
+#: parallel coordinates leave out a row that lacks a value of a declared hyper-parameter
+MISSING_TEXT = "n/a"
+
+
+def run_settings(spec: SweepSpec, point: Point, run_dir: Path) -> dict[str, Any]:
+    """Every declared hyper-parameter of a run: its point's values; for a swept axis its point
+    lacks (a block without it), the value its ``config.yaml`` records; the optimizer and mode
+    from there too; :data:`MISSING_TEXT` for a text one it has no value of (AdamW's mode, a
+    run that is no ``muoneq train`` run). A numeric axis a run has no value of (AdamW's
+    momentum) stays missing: that run is in the table, not in the parallel coordinates."""
     from muoneq.runtime import record
 
     saved = record.read_record(run_dir)
-    if saved is None:
-        return {}
-    flat = record.flatten(saved)
-    found = {"optimizer": flat.get("optimizer.name"), "optimizer.mode": flat.get("optimizer.mode")}
-    return {k: v for k, v in found.items() if v is not None}
+    flat = record.flatten(saved) if saved is not None else {}
+    flat["optimizer"] = flat.get("optimizer.name")
+    point_values, values = point.as_dict(), axis_values(spec)
+    out = dict(point_values)
+    for name in declared_hparams(spec):
+        value = point_values.get(name, flat.get(name))
+        if value is None and _type(values.get(name, ())) == api_pb2.DATA_TYPE_STRING:
+            value = MISSING_TEXT
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def write_session(spec: SweepSpec, point: Point, run_dir: Path, metrics: Mapping[str, Any],
                   diverged: bool = False) -> None:
     """One finished run's session (module docstring), in ``<run dir>/hparams/``."""
-    hparams = {**run_settings(run_dir), **point.as_dict()}
+    hparams = run_settings(spec, point, run_dir)
     start = plugin_data_pb2.SessionStartInfo(group_name=group_name(spec, point),
                                              start_time_secs=time.time())
     for name, value in hparams.items():
