@@ -126,11 +126,13 @@ class Scheduler:
 
     def _ask(self) -> Start | None:
         """Ask a trial and claim its run; None when the run is taken (the trial is skipped)."""
+        # The plan's first open run is found before asking, so that the claim follows the ask
+        # at once: the shorter that gap, the rarer two racing drivers both pass the check.
+        first_open = self._next_open(self.ledger.survey().runs) if self.spec.planned else None
         trial = self.ledger.study.ask()
         if self.spec.planned:
             # A queued retry names its run; else take the plan's first open one.
-            key = (TrialRecord.of(trial).run_key
-                   or self._next_open(self.ledger.survey().runs))
+            key = TrialRecord.of(trial).run_key or first_open
             cell, seed = split_key(key) if key is not None else (None, 0)
             if cell not in self.ledger.points:
                 self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
