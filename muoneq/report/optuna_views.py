@@ -18,6 +18,7 @@ from pathlib import Path
 
 import matplotlib
 import optuna
+from matplotlib.image import imread
 from matplotlib.ticker import NullFormatter
 from optuna.distributions import (
     BaseDistribution,
@@ -110,8 +111,9 @@ def write_views(data: StudyData, out_dir: Path, writer=None) -> OptunaViews | No
                         axis.set_minor_formatter(NullFormatter())
             path = out_dir / f"{name}.png"
             fig.savefig(path, dpi=120, bbox_inches="tight")
-            if writer is not None:
-                writer.add_figure(f"optuna/{name.removeprefix('optuna_')}", fig, close=False)
+            if writer is not None:  # the saved image: Optuna's layout would cut labels off
+                writer.add_image(f"optuna/{name.removeprefix('optuna_')}", imread(path),
+                                 dataformats="HWC")
             plt.close(fig)
             files.append(path)
     return OptunaViews(axes, importances, files, "; ".join(notes))
