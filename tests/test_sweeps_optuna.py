@@ -13,6 +13,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 from report_helpers import add_trial, stored_study
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_sweeps import load, options, write_sweep
 
 from muoneq.report import load_study_data, write_report
@@ -120,10 +121,14 @@ def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
             0.95 - point["optimizer.momentum"])
         add_trial(study, (point, p.key), 0, value)
     assert all(not t.params for t in study.get_trials())
-    report = write_report(load_study_data(study_dir), tensorboard=False)
+    report = write_report(load_study_data(study_dir))
     for name in ("optuna_contour", "optuna_slice", "optuna_importances"):
         assert (report.out_dir / f"{name}.png").is_file()
         assert f"![{name}]({name}.png)" in report.markdown
+    events = EventAccumulator(str(report.out_dir / "tensorboard"))
+    events.Reload()
+    assert {"optuna/contour", "optuna/slice", "optuna/importances"} <= set(
+        events.Tags()["images"])
     assert "| optimizer.lr |" in report.markdown and "| optimizer.momentum |" in report.markdown
 
 
