@@ -100,14 +100,15 @@ lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B t
 table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
 	$(call sweep_and_report,table-llama)
 
-report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in runs/
+RUNS ?= runs
+report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in RUNS=runs/ (those without a finished run skipped)
 	@if [ -n "$(STUDY)" ]; then \
 		$(PY) -m muoneq report $(STUDY) $(if $(STORAGE),--storage $(STORAGE)); \
 	else \
-		found=0; for d in runs/*/; do \
-			if [ -f "$$d/optuna.journal" ]; then found=1; $(PY) -m muoneq report "$$d" || exit 1; fi; \
+		found=0; for d in $(RUNS)/*/; do \
+			if [ -f "$$d/optuna.journal" ]; then found=1; $(PY) -m muoneq report "$$d" --skip-empty || exit 1; fi; \
 		done; \
-		[ $$found = 1 ] || { echo "muoneq: no study under runs/; run a sweep target first, or pass STUDY=runs/<name>" >&2; exit 2; }; \
+		[ $$found = 1 ] || { echo "muoneq: no study under $(RUNS)/; run a sweep target first, or pass STUDY=runs/<name>" >&2; exit 2; }; \
 	fi
 
 # One run of the paper's CIFAR-10 recipe (conf/experiment/cifar10_resnet18.yaml), e.g.

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import optuna
+import yaml
 from optuna.trial import TrialState, create_trial
+
+from muoneq.sweeps import SweepSpec, load_sweep
+from muoneq.sweeps.spec import spec_to_dict
+from muoneq.sweeps.storage import open_storage
+
+
+def stored_study(tmp_path: Path, sweep: dict) -> tuple[Path, SweepSpec, optuna.Study]:
+    """The sweep file ``<tmp>/<study>.yaml`` of ``sweep``, its spec, and its empty study in the
+    default journal under ``<tmp>/runs/`` with the spec saved, as ``muoneq sweep`` leaves it."""
+    path = tmp_path / f"{sweep['study']}.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    spec = load_sweep(path)
+    study = optuna.create_study(study_name=spec.study, direction=spec.objective.direction,
+                                storage=open_storage(None, tmp_path / "runs" / spec.study))
+    study.set_user_attr("spec", spec_to_dict(spec))
+    return path, spec, study
 
 
 def add_trial(study, point_cell, seed, value, *, state=TrialState.COMPLETE,

@@ -234,7 +234,11 @@ README_COMMANDS: dict[str, Doc] = {
         Doc("cpu_error", "--workers 4 × launch.devices_per_trial 1 needs 4 devices, found 0"),
     "muoneq sweep sweeps/ablation-cifar10.yaml --status":
         Doc("run", "study ablation-cifar10 (journal:runs/ablation-cifar10/optuna.journal): "
-                   "0/99 runs done"),
+                   "not started"),
+    "pip install optuna-dashboard": Doc("skip", "installs from the package registry"),
+    "optuna-dashboard runs/heatmap-gpt2/optuna.journal":
+        Doc("skip", "a web server on a finished study; tests/test_sweeps_optuna.py checks the "
+                    "params, distributions and trials_dataframe() it reads"),
     "make gpu-check": Doc("make", "tests/test_gpu_check.py runs it through make, QUICK=1"),
     "make gpu-wheels": Doc("skip", "downloads wheels from the package registry"),
     "bash benchmarks/gpu_machine.sh check":

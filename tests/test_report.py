@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import csv
 
-import optuna
 import pytest
-import yaml
 from matplotlib.image import imread
 from optuna.trial import TrialState
-from report_helpers import add_trial
+from report_helpers import add_trial, stored_study
 
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
-from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
-from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
+from muoneq.report.figures import (
+    Palette,
+    heatmaps,
+    learning_curves,
+    line_plot,
+    number_format,
+    robustness_markdown,
+)
 from muoneq.report.tables import build_table, to_latex, to_markdown
-from muoneq.sweeps.spec import load_sweep
-from muoneq.sweeps.storage import open_storage
+from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
 
 NAN = float("nan")
 
@@ -144,6 +147,16 @@ def test_heatmaps_have_the_grid_axes_a_shared_scale_and_robustness(tmp_path):
         assert [t.get_text() for t in ax.get_yticklabels()] == ["0.9", "0.95"]
         assert (ax.get_xlabel(), ax.get_ylabel()) == ("lr", "momentum")
         assert ax.images[0].get_clim() == (25.0, 29.5)  # one color scale for every panel
+        # one colour map whatever the direction, which the title and the colour bar say
+        assert ax.images[0].get_cmap().name == "viridis"
+        assert "lower is better" in ax.get_title()
+        assert p.figure.axes[1].get_ylabel() == "val_ppl (lower is better)"
+        texts = [t.get_text() for t in ax.texts]  # one number format in the figure
+        assert all(len(t.split(".")[1]) == 1 for t in texts)  # 26.0 beside 26.5, not 26
+        assert ("26.0" if p.title.startswith("Muon-Nes") else "25.0") in texts
+        framed = {p.grid[round(f.get_y() + 0.5), round(f.get_x() + 0.5)] for f in ax.patches}
+        assert framed == {p.best}  # the panel's best cells (two, tied) are framed
+        assert len(ax.patches) == 2
         name = "muon_nes" if p.title.startswith("Muon-Nes") else "muoneq_nes"
         for i, mom in enumerate((0.9, 0.95)):
             for j, lr in enumerate((1e-3, 2e-3, 5e-3)):
@@ -222,15 +235,8 @@ def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, cap
              "objective": {"metric": "test_acc", "direction": "maximize"},
              "report": {"tables": [{"name": "ablation",
                                     "metrics": [{"key": "test_acc", "scale": 100}]}]}}
-    path = tmp_path / "mini.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    spec = load_sweep(path)
+    path, spec, study = stored_study(tmp_path, sweep)
     study_dir = tmp_path / "runs" / "mini"
-    study = optuna.create_study(study_name="mini", storage=open_storage(None, study_dir),
-                                direction="maximize")
-    from muoneq.sweeps.spec import spec_to_dict
-
-    study.set_user_attr("spec", spec_to_dict(spec))
     cells = [(p.as_dict(), p.key) for p in spec.points()]
     values = {0: (0.90, 0.92), 1: (0.94, 0.95), 2: (0.95, 0.97)}
     for i, (a, b) in values.items():
@@ -261,12 +267,7 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
              "report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}],
                         "tables": [{"name": "t", "select": ["optimizer.lr",
                                                             "optimizer.momentum"]}]}}
-    path = tmp_path / "hm.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    spec = load_sweep(path)
-    study_dir = tmp_path / "runs" / "hm"
-    study = optuna.create_study(study_name="hm", storage=open_storage(None, study_dir),
-                                direction="maximize")
+    path, spec, study = stored_study(tmp_path, sweep)
     for i, p in enumerate(spec.points()):
         add_trial(study, (p.as_dict(), p.key), 0, 0.9 + 0.01 * i)
     for _ in range(2):  # a second report replaces the first one's TensorBoard images
@@ -274,7 +275,8 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
     assert len(list((report.out_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     markdown = (report.out_dir / "report.md").read_text()
     pngs = sorted(p.name for p in report.out_dir.glob("*.png"))
-    assert "robustness.png" in pngs and len(pngs) == 3
+    assert pngs == ["heatmap_Muon-Nes.png", "heatmap_MuonEq-Nes.png", "optuna_contour.png",
+                    "optuna_importances.png", "optuna_slice.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
 
@@ -289,3 +291,40 @@ def test_rows_run_at_one_momentum_get_no_heatmap(tmp_path):
                       "minimize", tmp_path)
     assert [p.title for p in panels] == ["Muon-Nes"]  # MuonEq-Nes (C): one momentum; AdamW: none
     assert panels[0].figure.axes[0].images[0].get_clim() == pytest.approx((5.62, 5.94))  # its own
+
+
+def test_number_format_is_one_for_the_figure():
+    assert number_format([9.87, 10.4, 10.0]) == ".2f"  # 9.87, 10.40, 10.00
+    assert number_format([0.0123, 0.5]) == ".4f"
+    assert number_format([123.0, 4567.0, float("nan")]) == ".0f"
+
+
+def test_a_method_keeps_its_colour_in_every_figure_and_one_point_is_marked(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    palette = Palette([opt("muon_nes", 0.02), opt("muoneq_nes", 0.02, "R")])
+    rows = [(opt(n, 0.02, m, **{"optimizer.ns_steps": k}), [5.0 - k])
+            for n, m in (("muoneq_nes", "R"), ("muon_nes", None)) for k in (4, 5)]
+    series, _ = line_plot(runs_of(rows, "val_ppl"), LineSpec(name="k", x="optimizer.ns_steps"),
+                          [*AXES, "optimizer.ns_steps"], "val_ppl", "minimize", tmp_path,
+                          palette=palette)
+    assert {s.label: s.color for s in series} == {
+        "MuonEq-Nes (R) | lr=0.02": palette.colour(opt("muoneq_nes", 0.02, "R")),
+        "Muon-Nes | lr=0.02": palette.colour(opt("muon_nes", 0.02))}
+    runs = []
+    for i, (name, mode, steps) in enumerate((("muon_nes", None, [50]),
+                                             ("muoneq_nes", "R", [10, 20, 30]))):
+        with SummaryWriter(str(tmp_path / f"r{i}" / "tb")) as w:
+            for step in steps:
+                w.add_scalar("val_loss", 3.0 - step / 100, step)
+        runs.append({**opt(name, 0.02, mode), "seed": 0, "val_ppl": 1.0,
+                     "_status": "complete", "_run_dir": str(tmp_path / f"r{i}"), "_trial": i})
+    plot = learning_curves(runs, CurveSpec(tags=["val_loss"]), AXES, "val_ppl", "minimize",
+                           tmp_path, palette=palette)["val_loss"]
+    lines = {line.get_label(): line for line in plot.figure.axes[0].get_lines()}
+    muon = lines["Muon-Nes (lr=0.02), 1 seed, one point (step 50)"]
+    muoneq = lines["MuonEq-Nes (R) (lr=0.02), 1 seed"]
+    assert muon.get_marker() == "o" and muoneq.get_marker() == "o"  # few points: markers
+    assert (muon.get_color(), muoneq.get_color()) == (palette.colour(opt("muon_nes", 0.02)),
+                                                      palette.colour(opt("muoneq_nes", 0, "R")))
+    assert muon.get_color() != muoneq.get_color()

@@ -18,10 +18,10 @@ from muoneq.demo import demo_sweep
 from muoneq.report import paired
 from muoneq.report.cli import main as report_main
 from muoneq.report.paired import Interval, comparisons
-from muoneq.report.schema import MetricColumn, TableSpec
 from muoneq.report.speedup import crossing
 from muoneq.report.tables import build_table
 from muoneq.runtime import compose
+from muoneq.sweeps.report_spec import MetricColumn, TableSpec
 from muoneq.sweeps.spec import SweepError, load_sweep, spec_from_dict, spec_to_dict
 from muoneq.sweeps.storage import open_storage
 

@@ -21,6 +21,7 @@ from runtime_helpers import TINY_RUNS, tiny_cifar10
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
+from muoneq.runtime.metrics import metric_keys
 from muoneq.runtime.run import find_resume_checkpoint
 from tasks.vision.cifar10_data import load_cifar10, normalize
 from tasks.vision.resnet import CifarResNet
@@ -97,6 +98,10 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
     assert metrics["global_step"] == 1 and metrics["status"] == "finished"
     assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert np.isfinite(metrics[metrics["paper_metric"]])  # test/acc, val/ppl
+    # what a sweep checks its objective against before it runs anything (muoneq.runtime.metrics):
+    # every key written is declared; declared and absent only MFU, where no device peak is known
+    declared = set(metric_keys(cfg))
+    assert set(metrics) <= declared and declared - set(metrics) <= {"perf/mfu"}
 
 
 # ----------------------------------------------------------------------------- run folder

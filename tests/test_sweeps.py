@@ -413,7 +413,8 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
     launch = {"command": torchrun, "nproc": 2, "devices_per_trial": 2,
               "env": {"NCCL_DEBUG": "WARN"}}
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", launch=launch, experiment="cifar10_resnet18",
-                                  overrides=["trainer.max_epochs=1"]))
+                                  overrides=["trainer.max_epochs=1"],
+                                  objective={"metric": "test/acc", "direction": "maximize"}))
     driver = Driver(spec, options(tmp_path, workers=2, devices=["0", "1", "2", "3"]))
     assert driver.validated == 2  # both points compose as `muoneq train` configs
     assert driver.slots == [["0", "1"], ["2", "3"]]

@@ -10,6 +10,8 @@ import shutil
 import pytest
 import yaml
 from runtime_helpers import tiny_cifar10
+from tensorboard.plugins.hparams import metadata
+from test_sweeps_hparams import read, session
 
 from muoneq.report import load_study_data, write_report
 from muoneq.runtime import conf_dir
@@ -48,6 +50,14 @@ def test_grid_of_real_training_runs(tmp_path, monkeypatch):
         assert r["test/acc"] == metrics["test/acc"]
         config = yaml.safe_load((tmp_path / r["_run_dir"] / "config.yaml").read_text())
         assert config["optimizer"]["lr"] == 0.05 and config["seed"] == 0
+        # one HParams row per run, the sweep's: the training process declared no session
+        group, hparams, scalars = session(tmp_path / r["_run_dir"])
+        assert group == f"optimizer={r['optimizer']}"  # lr: one value, not swept
+        assert hparams["optimizer.mode"] == config["optimizer"]["mode"]
+        assert scalars["test/acc"] == pytest.approx(metrics["test/acc"], rel=1e-6)
+        with pytest.raises(KeyError):  # no hparams summary at all in its own events
+            read(tmp_path / r["_run_dir"] / "tensorboard").PluginTagToContent(
+                metadata.PLUGIN_NAME)
     report = write_report(data)
     table = (report.out_dir / "table_ablation.md").read_text()
     assert "| Muon-Nes | 0.05 |" in table and "| MuonEq-Nes | 0.05 |" in table

@@ -6,12 +6,18 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from muoneq.report import paired, speedup
+from muoneq.report import optuna_views, paired, speedup
 from muoneq.report import plan as plan_report
-from muoneq.report.figures import heatmaps, learning_curves, line_plot, robustness_markdown
+from muoneq.report.figures import (
+    Palette,
+    heatmaps,
+    learning_curves,
+    line_plot,
+    robustness_markdown,
+)
 from muoneq.report.records import StudyData
-from muoneq.report.schema import TableSpec
 from muoneq.report.tables import Table, build_table, to_latex, to_markdown
+from muoneq.sweeps.report_spec import TableSpec
 from muoneq.sweeps.spec import SweepError
 
 
@@ -63,6 +69,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     # the grid as written first (its order), then whatever bracketing or a search added
     points = [p.as_dict() for p in spec.points()] + [{a: r.get(a) for a in axes}
                                                      for r in data.runs]
+    palette = Palette(points)  # one colour per method in every figure
     for tspec in tables:
         table = build_table(data.runs, tspec, axes, data.objective, data.direction, points)
         found = paired.comparisons(table) if tspec.deltas else []
@@ -70,7 +77,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
         figures = []
         if found and tspec.speedup is not None:
             speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,
-                                        tspec.name, writer)
+                                        tspec.name, writer, palette)
             md += speedup.to_markdown(speedups, tspec.speedup)
             figures = [s.path for s in speedups if s.path is not None]
             report.files += [*figures, out_dir / f"speedup_{tspec.name}.csv"]
@@ -100,12 +107,12 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
             parts.append("\n\n![robustness](robustness.png)\n")
     for lspec in rep.lines:
         _, path = line_plot(data.runs, lspec, axes, data.objective, data.direction, out_dir,
-                            writer)
+                            writer, palette)
         report.files.append(path)
         parts.append(f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n")
     if rep.curves is not None:
         curves = learning_curves(data.runs, rep.curves, axes, data.objective, data.direction,
-                                 out_dir, writer)
+                                 out_dir, writer, palette)
         for tag in rep.curves.tags:
             if tag not in curves:
                 parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
@@ -113,6 +120,10 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
             path = curves[tag].path
             report.files.append(path)
             parts.append(f"\n![{path.stem}]({path.name})\n")
+    views = optuna_views.write_views(data, out_dir, writer)
+    if views is not None:
+        report.files += views.files
+        parts.append(optuna_views.to_markdown(views))
     if writer is not None:
         writer.close()
     report.markdown = "".join(parts)

@@ -26,8 +26,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None, help="output folder (default "
                    "<study>/report)")
     p.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard images")
+    p.add_argument("--skip-empty", action="store_true",
+                   help="a study without a finished run is skipped with one line (exit 0) "
+                        "instead of an error (`make report` over every study)")
     args = p.parse_args(argv)
     data = load_study_data(args.target, storage=args.storage, runs_dir=args.runs_dir)
+    if not data.runs and args.skip_empty:
+        print(f"muoneq report: skipped study {data.spec.study} ({data.study_dir}): no finished "
+              "run yet")
+        return 0
     report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
     print(report.markdown)
     print(f"\nwritten to {report.out_dir}/ ({len(report.files)} files); "

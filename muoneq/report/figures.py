@@ -1,7 +1,11 @@
 """Figures of a study: heatmaps and robustness, K / learning-rate sweeps, learning curves.
 
 Each figure is saved as a PNG (and its numbers as CSV) and, when a TensorBoard writer is
-given, logged as an image. Matplotlib's object API is used (no pyplot state, no display).
+given, logged as an image; its layout is constrained, so no label is cut off in either. Matplotlib's
+object API is used (no pyplot state, no display). Conventions shared by every figure of a
+report: one colour per method (optimizer and mode, :class:`Palette`), one number format per
+figure (:func:`number_format`), markers where a curve has few points, and every colour scale
+says which way is better.
 """
 
 from __future__ import annotations
@@ -10,17 +14,21 @@ import csv
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import StrMethodFormatter
 
-from muoneq.report.schema import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.report.tables import axis_name, best_of, better, cells, describe
 from muoneq.sweeps.events import ScalarReader
+from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.sweeps.spec import format_value
 
 
@@ -38,6 +46,60 @@ def _sorted_values(values) -> list:
         return sorted(values)
     except TypeError:
         return values
+
+
+#: a curve with at most this many points is drawn with a marker at each
+FEW_POINTS = 30
+
+
+class Palette:
+    """One colour per method (optimizer and mode) across every figure of a report, in the
+    order the methods are first met (``points``: the report's points, in the sweep's order);
+    a figure's further series of one method (other K, other momentum) get other line styles."""
+
+    STYLES = ("-", "--", ":", "-.")
+
+    def __init__(self, points: Sequence[dict] = ()):
+        self.colours: dict[str, str] = {}
+        for values in points:
+            self.colour(values)
+
+    @staticmethod
+    def method(values: dict) -> str:
+        return describe({k: values.get(k) for k in ("optimizer", "optimizer.mode")
+                         if values.get(k) is not None})
+
+    def colour(self, values: dict) -> str:
+        method = self.method(values)
+        if method not in self.colours:
+            cycle = colormaps["tab10" if len(self.colours) < 10 else "tab20"].colors
+            self.colours[method] = to_hex(cycle[len(self.colours) % len(cycle)])
+        return self.colours[method]
+
+    def styles(self) -> Callable[[dict], dict]:
+        """For one figure: ``style(values)`` → ``color`` and ``linestyle`` of a series."""
+        seen: dict[str, int] = {}
+
+        def style(values: dict) -> dict:
+            method = self.method(values)
+            seen[method] = seen.get(method, -1) + 1
+            return {"color": self.colour(values),
+                    "linestyle": self.STYLES[seen[method] % len(self.STYLES)]}
+
+        return style
+
+
+def number_format(values: Iterable[float]) -> str:
+    """One format spec for all ``values`` of a figure: fixed decimals, enough for three
+    significant digits of the smallest magnitude (``9.87``, ``10.40``; ``0.0123``)."""
+    finite = [abs(v) for v in values if math.isfinite(v) and v != 0]
+    if not finite:
+        return ".2f"
+    return f".{min(6, max(0, 2 - math.floor(math.log10(min(finite)))))}f"
+
+
+def better_note(direction: str) -> str:
+    return "lower is better" if direction == "minimize" else "higher is better"
 
 
 def _save(fig: Figure, path: Path, writer, tag: str) -> Path:
@@ -104,31 +166,36 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
         return []
     vmin, vmax = min(finite), max(finite)
     best = _best(finite, direction)
-    cmap = "viridis_r" if direction == "minimize" else "viridis"
+    fmt = number_format(finite)  # one format for every cell of every panel
     out = []
     for key, grid in panels.items():
         values = dict(zip(panel_axes, key, strict=True))
         title = describe(values)
-        fig = Figure(figsize=(1.1 * len(xs) + 2.2, 0.8 * len(ys) + 1.6))
+        fig = Figure(figsize=(1.1 * len(xs) + 2.6, 0.8 * len(ys) + 1.8), layout="constrained")
         ax = fig.add_subplot()
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=vmin, vmax=vmax,
+        # one colour map for both directions (dark: low values): its meaning never flips; the
+        # colour bar and the title say which way is better, the best cell is framed
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=vmin, vmax=vmax,
                           origin="lower", aspect="auto")
         ax.set_xticks(range(len(xs)), [_tick(v) for v in xs])
         ax.set_yticks(range(len(ys)), [_tick(v) for v in ys])
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(axis_name(spec.y))
-        ax.set_title(title)
+        ax.set_title(f"{title}\n{metric}, {better_note(direction)}; framed: best cell", fontsize=10)
+        own = grid[np.isfinite(grid)]
+        own_best = _best(own, direction) if own.size else math.nan
         for (i, j), v in np.ndenumerate(grid):
             if not np.isfinite(v):
                 ax.text(j, i, "×", ha="center", va="center", fontsize=8, color="gray")
                 continue
-            t = (v - vmin) / max(vmax - vmin, 1e-12)
-            light = t < 0.5 if direction == "minimize" else t > 0.5  # viridis is light at top
-            ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8,
-                    color="black" if light else "white")
-        fig.colorbar(image, ax=ax, label=metric)
-        own = grid[np.isfinite(grid)]
-        own_best = _best(own, direction) if own.size else math.nan
+            dark = (v - vmin) / max(vmax - vmin, 1e-12) < 0.55  # viridis is dark at the bottom
+            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+            if v == own_best:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red",
+                                       linewidth=2))
+        bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
+        bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{fmt}}}"))
         name = slug(title)
         path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
         _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
@@ -173,9 +240,10 @@ def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
     positions = np.arange(len(panels))
     pct = f"{spec.robustness_pct:g}%"
     for shift, attr, color, label in (
-            (-0.2, "robustness", "tab:blue", f"within {pct} of the best of all panels "
-                                             f"({best:.4g})"),
-            (0.2, "robustness_own", "tab:orange", f"within {pct} of the panel's own best")):
+            # grays: the report's colours are its methods' (Palette), these bars are no method
+            (-0.2, "robustness", "0.35", f"within {pct} of the best of all panels "
+                                         f"({best:.4g})"),
+            (0.2, "robustness_own", "0.7", f"within {pct} of the panel's own best")):
         shares = [getattr(p, attr) for p in panels]
         bars = ax.bar(positions + shift, shares, 0.4, color=color, label=label)
         ax.bar_label(bars, [f"{round(v * p.grid.size)}/{p.grid.size}"
@@ -183,7 +251,8 @@ def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
     ax.set_xticks(positions, [p.title for p in panels], rotation=20, ha="right")
     ax.set_ylim(0, 1.3)
     ax.set_yticks(np.linspace(0, 1, 6))
-    ax.set_ylabel(f"fraction of {axis_name(spec.x)} × {axis_name(spec.y)} cells")
+    ax.set_ylabel(f"fraction of {axis_name(spec.x)} × {axis_name(spec.y)} cells\n"
+                  "(higher is better)")
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(f"Robustness of {metric} over {axis_name(spec.x)} × {axis_name(spec.y)}")
     _save(fig, out_dir / "robustness.png", writer, "robustness")
@@ -196,10 +265,13 @@ class LineSeries:
     x: list[Any]
     mean: dict[str, list[float]]  #: metric → mean per x (NaN where missing)
     std: dict[str, list[float]]
+    values: dict[str, Any]  #: the series' axes
+    color: str = ""  #: its colour in the figure (its method's: :class:`Palette`)
 
 
 def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: str,
-              direction: str, out_dir: Path, writer=None) -> tuple[list[LineSeries], Path]:
+              direction: str, out_dir: Path, writer=None,
+              palette: Palette | None = None) -> tuple[list[LineSeries], Path]:
     """Metrics against ``spec.x`` (e.g. validation perplexity and step time against K, or
     against the learning rate), one line per setting of the remaining axes; at each x the
     ``select`` axes are set to their best value for the first metric."""
@@ -223,17 +295,20 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
                 mean[m].append(math.nan if c is None or c.mean is None else c.mean)
                 std[m].append(math.nan if c is None or c.std is None else c.std)
         series.append(LineSeries(describe(dict(zip(series_axes, skey, strict=True))), xs,
-                                 mean, std))
+                                 mean, std, dict(zip(series_axes, skey, strict=True))))
     fig = Figure(figsize=(4.4 * len(metrics), 3.6), layout="constrained")
     numeric = all(isinstance(x, int | float) for x in xs)
     n_seeds = sorted({c.n for c in stats[metrics[0]].values() if c.n})
     seeds = f"{'/'.join(map(str, n_seeds))} seed{'s' if n_seeds != [1] else ''}"
+    palette = palette or Palette()
     for i, m in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
+        style = palette.styles()
         for s in series:
             pos = xs if numeric else list(range(len(xs)))
             mu, sd = np.array(s.mean[m]), np.nan_to_num(np.array(s.std[m]))
-            line, = ax.plot(pos, mu, marker="o", label=s.label)
+            line, = ax.plot(pos, mu, marker="o", label=s.label, **style(s.values))
+            s.color = line.get_color()
             ax.fill_between(pos, mu - sd, mu + sd, color=line.get_color(), alpha=0.2,
                             linewidth=0)
         if spec.logx and numeric:
@@ -241,7 +316,7 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
         ax.set_xticks(xs if numeric else range(len(xs)), [_tick(x) for x in xs])
         ax.minorticks_off()
         ax.set_xlabel(axis_name(spec.x))
-        ax.set_ylabel(m)
+        ax.set_ylabel(f"{m} ({better_note(direction if m == objective else 'minimize')})")
         ax.set_title(f"{m}: mean ± std over {seeds}" if max(n_seeds, default=1) > 1
                      else f"{m} ({seeds})", fontsize=10)
         ax.grid(alpha=0.3)
@@ -287,7 +362,8 @@ class CurvePlot:
 
 
 def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], objective: str,
-                    direction: str, out_dir: Path, writer=None) -> dict[str, CurvePlot]:
+                    direction: str, out_dir: Path, writer=None,
+                    palette: Palette | None = None) -> dict[str, CurvePlot]:
     """Each row (the axes other than ``select``) at its best setting: each TensorBoard tag
     against the global step, read from the trials' event files, as the mean over seeds with the
     min–max band (at the steps every seed logged). Labels and the title say how many seeds.
@@ -299,11 +375,13 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
         current = chosen.get(key[:len(rows)])
         if c.mean is not None and (current is None or better(c.mean, current.mean, direction)):
             chosen[key[:len(rows)]] = c
+    palette = palette or Palette()
     out = {}
     for tag in spec.tags:
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         ax = fig.add_subplot()
         plotted: dict[str, Curve] = {}
+        style = palette.styles()
         for key, c in chosen.items():
             curves = [ScalarReader(d).scalars(tag) for d in c.run_dirs]
             curves = [cv for cv in curves if cv]
@@ -314,8 +392,12 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
                             if c.values[a] is not None)
             label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
-            line, = ax.plot(steps, curve.mean, label=f"{label}, {curve.seeds} seed"
-                            + ("s" if curve.seeds > 1 else ""))
+            few = len(steps) <= FEW_POINTS  # a marker at each point; one point is no line
+            line, = ax.plot(steps, curve.mean, marker="o" if few else None,
+                            markersize=6 if len(steps) == 1 else 3,
+                            label=f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
+                            + (f", one point (step {steps[0]})" if len(steps) == 1 else ""),
+                            **style(c.values))
             if curve.seeds > 1:
                 ax.fill_between(steps, curve.low, curve.high, color=line.get_color(), alpha=0.2,
                                 linewidth=0)
@@ -328,6 +410,10 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
                      + (", band: min–max" if max(seeds) > 1 else ""), fontsize=10)
         ax.set_xlabel("global step (optimizer steps)")
         values = [v for cv in plotted.values() for v in (*cv.low, *cv.high)]
+        if all(len(cv.steps) == 1 for cv in plotted.values()):
+            ax.text(0.5, 0.04, f"each run logged {tag} once: no curve, one point per row",
+                    transform=ax.transAxes, ha="center", va="bottom", fontsize=9,
+                    color="dimgray")
         if min(values) > 0 and max(values) > 10 * min(values):  # e.g. a perplexity from 200
             ax.set_yscale("log")  # to 6: on a linear axis the close curves would be one line
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))

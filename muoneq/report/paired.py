@@ -27,7 +27,6 @@ from typing import Any
 
 from scipy import stats
 
-from muoneq.report.schema import MetricColumn
 from muoneq.report.tables import (
     COUNTERPART,
     Cell,
@@ -37,6 +36,7 @@ from muoneq.report.tables import (
     axis_name,
     baseline_row,
 )
+from muoneq.sweeps.report_spec import MetricColumn
 
 CONFIDENCE = 0.95
 #: the optimizer every other one is compared with (besides a MuonEq variant's Muon)

@@ -14,7 +14,6 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from muoneq.sweeps.ledger import ATTR_PLAN
 from muoneq.sweeps.spec import (
     Point,
     SweepError,
@@ -24,6 +23,7 @@ from muoneq.sweeps.spec import (
     spec_from_dict,
 )
 from muoneq.sweeps.storage import JOURNAL_NAME, open_storage, storage_label
+from muoneq.sweeps.trial_record import STUDY_DISTRIBUTIONS, STUDY_PLAN, STUDY_SPEC, TrialRecord
 
 
 @dataclass
@@ -35,6 +35,10 @@ class StudyData:
     #: what the sweep's plan added and why it stopped, as its drivers published it
     #: (:meth:`muoneq.sweeps.plan.Plan.to_dict`); None for a TPE search or a plain grid
     plan: dict | None = None
+    #: the study's trials and its axes' recorded Optuna distributions (JSON), for Optuna's own
+    #: views (:mod:`muoneq.report.optuna_views`)
+    trials: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+    distributions: dict | None = None
 
     @property
     def axes(self) -> list[str]:
@@ -56,21 +60,17 @@ def runs_from_trials(spec: SweepSpec, trials: list[optuna.trial.FrozenTrial],
     # Runs in the sweep file's order of points (then seed), so tables and figures follow it.
     order = {p.key: i for i, p in enumerate(spec.points())} if spec.is_grid else {}
     for t in sorted(trials, key=lambda t: t.number):
-        outcome = t.user_attrs.get("outcome")
-        if not (t.state == TrialState.COMPLETE or outcome == "diverged"):
+        rec = TrialRecord.of(t)
+        if not (t.state == TrialState.COMPLETE or rec.diverged):
             continue
-        key = t.user_attrs.get("run_key")
-        if key in seen:
+        if rec.run_key in seen:
             duplicates.append(t.number)
             continue
-        seen.add(key)
-        point = t.user_attrs.get("point", {})
-        seeds = t.user_attrs.get("seeds", [])
-        per_seed = t.user_attrs.get("metrics_per_seed") or [t.user_attrs.get("metrics", {})]
-        dirs = t.user_attrs.get("run_dirs", [])
-        for seed, metrics, rel in zip(seeds, per_seed, dirs, strict=False):
+        seen.add(rec.run_key)
+        point = rec.point or {}
+        for seed, metrics, rel in rec.runs():
             row = {a: point.get(a) for a in axes}
-            row.update({"seed": seed, **metrics, "_status": outcome or "complete",
+            row.update({"seed": seed, **metrics, "_status": rec.outcome or "complete",
                         "_run_dir": str(study_dir / rel), "_trial": t.number})
             rows.append(row)
     rows.sort(key=lambda r: (order.get(_point_key(axes, r), len(order)), r["seed"]))
@@ -111,8 +111,10 @@ def load_study_data(target: str | Path, *, storage: str | None = None,
         raise SweepError(f"study {name!r} not found in "
                          f"{storage_label(storage, study_dir)}") from None
     if spec is None:
-        if "spec" not in study.user_attrs:
+        if STUDY_SPEC not in study.user_attrs:
             raise SweepError(f"study {name!r} was not made by `muoneq sweep` (no spec)")
-        spec = spec_from_dict(study.user_attrs["spec"], source=f"study {name}")
-    runs, duplicates = runs_from_trials(spec, study.get_trials(deepcopy=False), study_dir)
-    return StudyData(spec, study_dir, runs, duplicates, study.user_attrs.get(ATTR_PLAN))
+        spec = spec_from_dict(study.user_attrs[STUDY_SPEC], source=f"study {name}")
+    trials = study.get_trials(deepcopy=False)
+    runs, duplicates = runs_from_trials(spec, trials, study_dir)
+    return StudyData(spec, study_dir, runs, duplicates, study.user_attrs.get(STUDY_PLAN), trials,
+                     study.user_attrs.get(STUDY_DISTRIBUTIONS))

@@ -30,11 +30,11 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogLocator
 
-from muoneq.report.figures import Curve, _save, mean_curve, slug
+from muoneq.report.figures import Curve, Palette, _save, mean_curve, slug
 from muoneq.report.paired import Comparison, Interval
-from muoneq.report.schema import SpeedupSpec
 from muoneq.report.tables import Cell
 from muoneq.sweeps.events import ScalarReader
+from muoneq.sweeps.report_spec import SpeedupSpec
 
 
 def amount(x: float, unit: str) -> str:
@@ -170,16 +170,24 @@ def speedup(comparison: Comparison, metric: str, spec: SpeedupSpec) -> Speedup:
     return Speedup(comparison, spec.tag, unit, crossings, means, scales)
 
 
-def figure(found: Speedup, out_dir: Path, writer=None) -> Path:
+def _values(entry) -> dict:
+    """The axes of a table entry (from any of its cells)."""
+    return next((c.values for c in entry.cells.values() if c is not None), {})
+
+
+def figure(found: Speedup, out_dir: Path, writer=None, palette: Palette | None = None) -> Path:
     """Loss against tokens (log scale) of both rows, mean over the pairs' seeds with the min–max
     band, the baseline's final loss dashed, and each pair's crossing marked."""
     c = found.comparison
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
-    for curve, scale, label in zip(found.curves, found.scales, (c.candidate, c.baseline),
-                                   strict=True):
+    style = (palette or Palette()).styles()
+    for curve, scale, label, entry in zip(found.curves, found.scales,
+                                          (c.candidate, c.baseline),
+                                          (c.candidate_entry, c.baseline_entry), strict=True):
         xs = [s * scale for s in curve.steps]
-        line, = ax.plot(xs, curve.mean, marker=".", markersize=4, label=label)
+        line, = ax.plot(xs, curve.mean, marker=".", markersize=4, label=label,
+                        **style(_values(entry)))
         if curve.seeds > 1:
             ax.fill_between(xs, curve.low, curve.high, color=line.get_color(), alpha=0.2,
                             linewidth=0)
@@ -220,14 +228,14 @@ def figure(found: Speedup, out_dir: Path, writer=None) -> Path:
 
 
 def speedups(comparisons: Sequence[Comparison], metric: str, spec: SpeedupSpec, out_dir: Path,
-             table_name: str, writer=None) -> list[Speedup]:
+             table_name: str, writer=None, palette: Palette | None = None) -> list[Speedup]:
     """Every comparison's speedup, a figure for those with curves, and the crossings as CSV
     (``speedup_<table>.csv``)."""
     out = []
     for comparison in comparisons:
         found = speedup(comparison, metric, spec)
         if found.curves is not None:
-            found.path = figure(found, out_dir, writer)
+            found.path = figure(found, out_dir, writer, palette)
         out.append(found)
     with (out_dir / f"speedup_{table_name}.csv").open("w", newline="") as fh:
         w = csv.writer(fh)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from muoneq.report.schema import MetricColumn, TableSpec
+from muoneq.sweeps.report_spec import MetricColumn, TableSpec
 from muoneq.sweeps.spec import format_value
 
 #: how the paper names the optimizers of the registry

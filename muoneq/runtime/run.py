@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -34,6 +35,7 @@ from muoneq.errors import Interrupted
 from muoneq.runtime import record
 from muoneq.runtime.callbacks import LastValidation, StepStats
 from muoneq.runtime.config import Resume
+from muoneq.runtime.metrics import HPARAMS_ENV, METRICS_FILE
 from muoneq.runtime.record import CONFIG_FILE, RunFolderError, atomic_write
 from muoneq.runtime.tasks import get_task
 from muoneq.runtime.trainer import (
@@ -44,8 +46,6 @@ from muoneq.runtime.trainer import (
     build_trainer,
     check_accelerator,
 )
-
-METRICS_FILE = "metrics.json"
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 
@@ -184,7 +184,8 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
             record.add_session(run_dir, previous, cfg, argv, checkpoint)
             print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
         summary = ["metrics/best", "metrics/final"] if module.monitor else []
-        _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
+        if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view
+            _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     if trainer.interrupted:

@@ -19,7 +19,7 @@ language run never imports torchvision.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, is_dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -30,11 +30,16 @@ ENTRY_POINT_GROUP = "muoneq.tasks"
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A workload: its typed config (a dataclass with a ``name`` field) and its builder."""
+    """A workload: its typed config (a dataclass with a ``name`` field), its builder, and the
+    keys its runs add to ``metrics.json`` (``metrics(cfg)``, from the composed config: what its
+    module logs and its ``final_metrics``; :func:`muoneq.runtime.metrics.metric_keys` adds the
+    runtime's own). A sweep checks its objective against them before anything runs; None: not
+    declared, nothing is checked."""
 
     config: type
     build: Callable[[Any], tuple[Any, Any]]
     description: str = ""
+    metrics: Callable[[Any], Iterable[str]] | None = None
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):

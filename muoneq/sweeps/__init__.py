@@ -1,11 +1,14 @@
 """Sweeps: Optuna studies over trial processes (``muoneq sweep sweeps/<name>.yaml``).
 
-The sweep file (:mod:`~muoneq.sweeps.spec`, checked by :mod:`~muoneq.sweeps.validate`), the
-study and its storage (:mod:`~muoneq.sweeps.study`, :mod:`~muoneq.sweeps.storage`), what each run
-holds (:mod:`~muoneq.sweeps.ledger`), typed jobs (:mod:`~muoneq.sweeps.scheduler`), trial
-processes (:mod:`~muoneq.sweeps.runner`, :mod:`~muoneq.sweeps.launch`), their ``metrics.json``
-as Optuna's state and value (:mod:`~muoneq.sweeps.verdict`) and the workers
-(:mod:`~muoneq.sweeps.driver`).
+The sweep file (:mod:`~muoneq.sweeps.spec`, its ``report:`` section
+:mod:`~muoneq.sweeps.report_spec`, checked by :mod:`~muoneq.sweeps.validate`), the study and its
+storage (:mod:`~muoneq.sweeps.study`, :mod:`~muoneq.sweeps.storage`), each axis' Optuna
+distribution (:mod:`~muoneq.sweeps.distributions`), what a trial's user attributes hold
+(:mod:`~muoneq.sweeps.trial_record`), what each run holds (:mod:`~muoneq.sweeps.ledger`), typed
+jobs (:mod:`~muoneq.sweeps.scheduler`), trial processes (:mod:`~muoneq.sweeps.runner`,
+:mod:`~muoneq.sweeps.launch`), their ``metrics.json`` as Optuna's state and value
+(:mod:`~muoneq.sweeps.verdict`), TensorBoard's HParams view (:mod:`~muoneq.sweeps.hparams`) and
+the workers (:mod:`~muoneq.sweeps.driver`).
 
 Public API::
 

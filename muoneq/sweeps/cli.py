@@ -9,14 +9,16 @@ from pathlib import Path
 
 import optuna
 
+from muoneq.runtime.metrics import METRICS_FILE
 from muoneq.suite_files import suite_folder
 from muoneq.sweeps.driver import Driver, DriverOptions
 from muoneq.sweeps.launch import trial_command
-from muoneq.sweeps.ledger import published_plan
+from muoneq.sweeps.ledger import DriverId, Ledger, published_plan
 from muoneq.sweeps.plan import describe
 from muoneq.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.sweeps.storage import storage_label
-from muoneq.sweeps.validate import check_trials, search_points
+from muoneq.sweeps.study import existing_study
+from muoneq.sweeps.validate import point_check, preflight, search_points
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,27 +66,17 @@ def main(argv: list[str]) -> int:
     devices = args.devices.split(",") if args.devices else None
     options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
                             runs_dir=args.runs_dir, poll_s=args.poll)
-    if args.dry_run:
-        return _dry_run(spec, options)
-    if args.status:  # --status prints the plan itself
-        logging.getLogger("muoneq.sweeps").setLevel(logging.WARNING)
     try:
+        if args.dry_run:
+            return _dry_run(spec, options)
+        if args.status:
+            return _status(spec, options)
         driver = Driver(spec, options)
     except SweepError:
         raise
     except ValueError as err:  # e.g. a malformed --storage URL
         raise SweepError(str(err)) from None
     where = storage_label(args.storage, driver.study_dir)
-    if args.status:
-        s = driver.summary()
-        plan = driver.ledger.plan
-        grows = plan is not None and not plan.finished
-        print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "
-              f"{len(s.exhausted)} out of retries, {s.pending} to go"
-              + (" (the plan adds more as results come in)" if grows else ""))
-        for line in plan.lines() if plan is not None else []:
-            print(f"  {line}")
-        return 0
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
     s = driver.run()
@@ -98,9 +90,31 @@ def main(argv: list[str]) -> int:
     return s.exit_code
 
 
+def _status(spec, options: DriverOptions) -> int:
+    """The study's counts and plan; creates nothing (a study not started is said so)."""
+    study_dir = options.runs_dir / spec.study
+    where = storage_label(options.storage, study_dir)
+    found = existing_study(spec, options.storage, study_dir)
+    if found is None:
+        print(f"study {spec.study} ({where}): not started; `muoneq sweep` without --status "
+              "starts it")
+        return 0
+    logging.getLogger("muoneq.sweeps").setLevel(logging.WARNING)  # the plan is printed below
+    check = point_check(spec, study_dir) if spec.bracket is not None else None
+    ledger = Ledger(*found, spec, DriverId.new(study_dir), study_dir, check)
+    s, plan = ledger.summary(), ledger.plan
+    grows = plan is not None and not plan.finished
+    print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "
+          f"{len(s.exhausted)} out of retries, {s.pending} to go"
+          + (" (the plan adds more as results come in)" if grows else ""))
+    for line in plan.lines() if plan is not None else []:
+        print(f"  {line}")
+    return 0
+
+
 def _dry_run(spec, options: DriverOptions) -> int:
     study_dir = options.runs_dir / spec.study
-    composed = check_trials(spec, study_dir)
+    composed = preflight(spec, options.storage, study_dir)
     seeds = len(spec.seeds)
     if spec.kind == "tpe":
         print(f"study {spec.study}: TPE over {', '.join(spec.search.params)}, "
@@ -134,5 +148,7 @@ def _dry_run(spec, options: DriverOptions) -> int:
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
           + ({"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)"}
              .get(spec.kind, ""))
+          + f"; objective {spec.objective.metric} and the report's metrics are keys of their "
+            f"{METRICS_FILE}"
           if composed else "not checked: launch.command does not run `muoneq train`")
     return 0

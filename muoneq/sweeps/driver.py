@@ -20,11 +20,13 @@ threads in one process, several processes, several machines on one RDB storage) 
   its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for;
   otherwise it is told FAIL and re-queued, up to ``retry.max_retries`` times. A run folder that
   already holds ``metrics.json`` is told, never run again;
-* **config errors**: before the study is created or continued, every point's training config is
-  composed and existing run folders are compared with it (:mod:`muoneq.sweeps.validate`). A run
-  whose process exits with status 2 (the ``muoneq`` command's status for a mistake the user must
-  fix: a config, data or resume error) is failed at once, without retries; a later driver (the
-  same command run again, after the fix) tries it once more.
+* **config errors**: before the study is created or continued, the preflight checks the study's
+  recorded settings, composes every point's training config, checks the objective against the
+  keys its ``metrics.json`` will hold and compares existing run folders with it
+  (:mod:`muoneq.sweeps.validate`). A run whose process exits with status 2 (the ``muoneq``
+  command's status for a mistake the user must fix: a config, data or resume error) is failed
+  at once, without retries; a later driver (the same command run again, after the fix) tries it
+  once more.
 
 Optuna's ``RetryFailedTrialCallback`` and heartbeats only work inside ``study.optimize``; this
 bookkeeping is their ask/tell equivalent, keyed by the run rather than the trial. The parts:
@@ -44,12 +46,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.sweeps import hparams
 from muoneq.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.sweeps.runner import Runner
 from muoneq.sweeps.scheduler import Scheduler, Wait
 from muoneq.sweeps.spec import Launch, SweepError, SweepSpec
 from muoneq.sweeps.study import open_study
-from muoneq.sweeps.validate import check_trials, point_check
+from muoneq.sweeps.validate import point_check, preflight
 
 log = logging.getLogger("muoneq.sweeps")
 
@@ -99,10 +102,11 @@ class Driver:
         self.me = DriverId.new(self.study_dir)
         self.stop = threading.Event()
         self.slots = device_slots(spec.launch, self.opts.workers, self.opts.devices)
-        self.validated = check_trials(spec, self.study_dir)  # before the study is created
+        self.validated = preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
         self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
-        self.ledger = Ledger(self.study, storage, spec, self.me, check)
+        self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
+        hparams.write_experiment(spec, self.study_dir)
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()

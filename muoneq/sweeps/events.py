@@ -13,6 +13,10 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 EVENT_GLOB = "events.out.tfevents.*"
+#: the folder of the HParams summaries (:mod:`muoneq.sweeps.hparams`), under the study folder and
+#: under each run folder: a run's session there is no learning curve
+HPARAMS_DIR = "hparams"
+
 # The directory watcher logs "No path found after …" at INFO on every reload of a live run.
 logging.getLogger("tensorboard").setLevel(logging.WARNING)
 
@@ -28,6 +32,8 @@ class ScalarReader:
         if self.root.is_dir():
             for event_file in sorted(self.root.rglob(EVENT_GLOB)):
                 folder = event_file.parent
+                if folder.name == HPARAMS_DIR:  # a run's HParams session, not its curves
+                    continue
                 if folder not in self._accumulators:
                     self._accumulators[folder] = EventAccumulator(
                         str(folder), size_guidance={SCALARS: 0}

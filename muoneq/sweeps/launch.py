@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.runtime.metrics import HPARAMS_ENV, METRICS_FILE
 from muoneq.sweeps.spec import Point, SweepSpec
 
-METRICS_NAME = "metrics.json"
 RECORD_NAME = "trial.json"
 LOG_NAME = "trial.log"
 LOCK_NAME = ".trial.lock"
@@ -73,7 +73,8 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
               "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
-    env = {**os.environ, **{k: str(v) for k, v in spec.launch.env.items()}}
+    # the sweep writes the HParams view of its runs (muoneq.sweeps.hparams)
+    env = {**os.environ, HPARAMS_ENV: "0", **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = fields["devices"]
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
@@ -82,7 +83,7 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
 
 def read_metrics(run_dir: Path) -> dict | None:
     """The run's ``metrics.json`` as a dict, or None when absent or not (yet) complete JSON."""
-    path = Path(run_dir) / METRICS_NAME
+    path = Path(run_dir) / METRICS_FILE
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
@@ -120,6 +121,12 @@ def lock_is_held(path: Path) -> bool:
     finally:
         os.close(fd)  # closing releases a lock we may have taken
     return False
+
+
+def append_log(run_dir: Path, line: str) -> None:
+    """Add a line of the driver's own to the run's ``trial.log``."""
+    with (Path(run_dir) / LOG_NAME).open("a") as fh:
+        fh.write(line.rstrip("\n") + "\n")
 
 
 def log_tail(run_dir: Path, lines: int = 15) -> str:
@@ -203,7 +210,7 @@ def run_process(
         return Outcome(reason, metrics, proc.returncode, tail)
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
         return Outcome("complete", metrics, proc.returncode)
-    why = "exited 0 without writing metrics.json" if proc.returncode == 0 else (
+    why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
         f"exited with status {proc.returncode}")
     return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip())
 
@@ -220,4 +227,5 @@ def wait_for_release(
     metrics = read_metrics(run_dir)
     if metrics is not None:
         return Outcome("complete", metrics)
-    return Outcome("failed", message=f"adopted run ended without metrics.json\n{log_tail(run_dir)}")
+    return Outcome("failed",
+                   message=f"adopted run ended without {METRICS_FILE}\n{log_tail(run_dir)}")

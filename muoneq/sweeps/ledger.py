@@ -27,28 +27,16 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from muoneq.sweeps import launch
+from muoneq.sweeps import distributions, hparams, launch
 from muoneq.sweeps.plan import Check, Plan, describe, make_plan
 from muoneq.sweeps.spec import Point, SweepSpec, format_value
-from muoneq.sweeps.storage import JOURNAL_NAME, open_storage
+from muoneq.sweeps.study import existing_study
+from muoneq.sweeps.trial_record import FAILURES, STUDY_DISTRIBUTIONS, STUDY_PLAN, TrialRecord
 from muoneq.sweeps.verdict import Verdict
 
 log = logging.getLogger("muoneq.sweeps")
 
-#: user attrs of a trial that the driver writes (the report reads them too)
-ATTR_KEY, ATTR_POINT, ATTR_SEEDS, ATTR_DIRS = "run_key", "point", "seeds", "run_dirs"
-ATTR_DRIVER, ATTR_HOST, ATTR_BEAT, ATTR_OUTCOME = "driver", "host", "heartbeat", "outcome"
-#: user attr of a trial the driver enqueued to retry a failed one (its trial number)
-ATTR_RETRY_OF = "retry_of"
-#: study user attr: what the plan added and why it stopped (:meth:`Plan.to_dict`), for reports
-ATTR_PLAN = "plan"
-#: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
-FAILURES = ("failed", "timeout")
 DONE_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def attr(t: FrozenTrial, name: str, default=None):
-    return t.user_attrs.get(name, default)
 
 
 @dataclass(frozen=True)
@@ -126,8 +114,9 @@ class Ledger:
     """The study's record of every run, for one driver (see the module docstring)."""
 
     def __init__(self, study: optuna.Study, storage: BaseStorage, spec: SweepSpec, me: DriverId,
-                 check: Check | None = None):
+                 study_dir: Path, check: Check | None = None):
         self.study, self.storage, self.spec, self.me = study, storage, spec, me
+        self.study_dir = Path(study_dir)
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.check = check  #: why a point bracketing would add cannot run (a config error)
         #: the plan's points by key, and their run keys (empty for a TPE search)
@@ -137,6 +126,8 @@ class Ledger:
         self._trial_ids: dict[int, int] = {}
         self._said: dict | None = None
         self._logged: set[str] = set()
+        #: each axis' Optuna distribution, as the study recorded it (planned studies)
+        self.distributions = distributions.from_json(study.user_attrs.get(STUDY_DISTRIBUTIONS))
         if spec.planned:
             self.replan()
 
@@ -152,12 +143,13 @@ class Ledger:
         """The point a trial runs: from the plan (planned studies), else its parameters."""
         if not self.spec.planned:
             return self.point_of(t.params)
-        key = attr(t, ATTR_KEY)
+        key = TrialRecord.of(t).run_key
         return self.points.get(split_key(key)[0]) if key is not None else None
 
     def key_of(self, t: FrozenTrial) -> str | None:
-        if ATTR_KEY in t.user_attrs:
-            return t.user_attrs[ATTR_KEY]
+        key = TrialRecord.of(t).run_key
+        if key is not None:
+            return key
         if self.spec.planned:
             return None
         point = self.point_of(t.params)
@@ -196,8 +188,8 @@ class Ledger:
         said = plan.to_dict()
         if said != self._said and (plan.families or plan.path):
             self._said = said
-            if said != self.study.user_attrs.get(ATTR_PLAN):
-                self.study.set_user_attr(ATTR_PLAN, said)
+            if said != self.study.user_attrs.get(STUDY_PLAN):
+                self.study.set_user_attr(STUDY_PLAN, said)
             for line in describe(said):
                 if line not in self._logged:
                     self._logged.add(line)
@@ -209,13 +201,14 @@ class Ledger:
         return self.study.get_trials(deepcopy=False)
 
     def owner_alive(self, t: FrozenTrial) -> bool:
-        owner = attr(t, ATTR_DRIVER)
+        rec = TrialRecord.of(t)
+        owner = rec.driver
         if owner == self.me.id:
             return True
-        if owner is not None and attr(t, ATTR_HOST) == self.me.host:
+        if owner is not None and rec.host == self.me.host:
             # A driver on this machine holds its lock file for its whole life.
             return launch.lock_is_held(self.me.lock_path(owner))
-        last = attr(t, ATTR_BEAT)
+        last = rec.heartbeat
         if last is None and t.datetime_start is not None:
             last = t.datetime_start.timestamp()
         return last is not None and time.time() - last < self.spec.retry.stale_after_s
@@ -226,8 +219,9 @@ class Ledger:
         told FAIL on the way."""
         survey = Survey(defaultdict(RunState))
         for t in self.trials():
-            outcome = attr(t, ATTR_OUTCOME)
-            if outcome == "skipped":
+            rec = TrialRecord.of(t)
+            outcome = rec.outcome
+            if rec.skipped:
                 continue
             key = self.key_of(t)
             if key is None:
@@ -237,7 +231,7 @@ class Ledger:
                 survey.unkeyed_waiting += t.state == TrialState.WAITING
                 continue
             state = survey.runs[key]
-            if t.state in DONE_STATES or (t.state == TrialState.FAIL and outcome == "diverged"):
+            if t.state in DONE_STATES or (t.state == TrialState.FAIL and rec.diverged):
                 state.done.append(t)
             elif t.state == TrialState.RUNNING:
                 (state.live if self.owner_alive(t) else state.orphans).append(t)
@@ -246,7 +240,7 @@ class Ledger:
             elif t.state == TrialState.FAIL:
                 state.failures += outcome in FAILURES
                 state.config_error |= (outcome == "config_error"
-                                       and attr(t, ATTR_DRIVER) == self.me.id)
+                                       and rec.driver == self.me.id)
                 state.tried.append(t)
         return survey
 
@@ -262,8 +256,8 @@ class Ledger:
     def configs_started(self) -> list[int]:
         """Trial numbers of an open search's configurations (retries and skipped trials
         excluded)."""
-        return sorted(t.number for t in self.trials()
-                      if ATTR_RETRY_OF not in t.user_attrs and attr(t, ATTR_OUTCOME) != "skipped")
+        records = ((t.number, TrialRecord.of(t)) for t in self.trials())
+        return sorted(n for n, rec in records if rec.retry_of is None and not rec.skipped)
 
     def duplicate_of(self, number: int, key: str) -> int | None:
         """The trial that already holds run ``key`` (finished, or running under a lower
@@ -275,11 +269,10 @@ class Ledger:
             if number in started and started.index(number) >= budget:
                 over_budget = started[budget - 1]
         for t in self.trials():
-            if t.number == number or attr(t, ATTR_OUTCOME) == "skipped":
+            rec = TrialRecord.of(t)
+            if t.number == number or rec.skipped or self.key_of(t) != key:
                 continue
-            if self.key_of(t) != key:
-                continue
-            finished = t.state in DONE_STATES or attr(t, ATTR_OUTCOME) == "diverged"
+            finished = t.state in DONE_STATES or rec.diverged
             if finished or (t.state == TrialState.RUNNING and t.number < number):
                 return t.number
         return over_budget
@@ -300,27 +293,56 @@ class Ledger:
                 self.study_id, number)
         return self._trial_ids[number]
 
-    def set_attrs(self, number: int, attrs: dict) -> None:
-        """Set user attributes of trial ``number`` (any driver's, running)."""
+    def write(self, number: int, record: TrialRecord) -> None:
+        """Write the fields set in ``record`` to trial ``number`` (any driver's, running)."""
         trial_id = self.trial_id(number)
-        for name, value in attrs.items():
+        for name, value in record.attrs().items():
             self.storage.set_trial_user_attr(trial_id, name, value)
 
+    def set_params(self, number: int, point: Point) -> None:
+        """Give trial ``number`` its point as Optuna params, in the study's distributions
+        (:mod:`muoneq.sweeps.distributions`); a value a recorded distribution lacks is left
+        out, and said once."""
+        trial_id = self.trial_id(number)
+        for axis, value in point.items:
+            dist = self.distributions.get(axis)
+            if dist is not None and distributions.contains(dist, value):
+                self.storage.set_trial_param(trial_id, axis, dist.to_internal_repr(value), dist)
+                continue
+            line = (f"{axis}={format_value(value)} is not in the study's Optuna distribution "
+                    f"{dist!r}: its trials lack that param in Optuna's views (a new study "
+                    "name would include it)")
+            if line not in self._logged:
+                self._logged.add(line)
+                log.warning("%s", line)
+
     def tell(self, number: int, state: TrialState, *, value: float | None = None,
-             outcome: str, message: str = "", attrs: dict | None = None) -> None:
-        """Record attrs, then tell. A trial someone else finished meanwhile is left alone."""
+             outcome: str, message: str = "", record: TrialRecord | None = None) -> None:
+        """Write the record, then tell. A trial someone else finished meanwhile is left
+        alone."""
         if self.storage.get_trial(self.trial_id(number)).state.is_finished():
             log.info("trial %d was finished by another driver meanwhile", number)
             return
-        self.set_attrs(number, {**(attrs or {}), ATTR_OUTCOME: outcome,
-                                "message": message[-4000:]})
+        record = record or TrialRecord()
+        record.outcome, record.message = outcome, message[-4000:]
+        self.write(number, record)
         self.study.tell(number, value if state == TrialState.COMPLETE else None, state=state,
                         skip_if_finished=True)
 
     def record(self, number: int, key: str, verdict: Verdict) -> None:
-        """Tell how trial ``number`` (run ``key``) ended, and log it."""
+        """Tell how trial ``number`` (run ``key``) ended, log it, and add its finished runs to
+        TensorBoard's HParams view (:mod:`muoneq.sweeps.hparams`)."""
         self.tell(number, verdict.state, value=verdict.value, outcome=verdict.outcome,
-                  message=verdict.message, attrs=verdict.attrs)
+                  message=verdict.message, record=verdict.record)
+        if verdict.outcome in ("complete", "diverged"):
+            rec = TrialRecord.of(self.storage.get_trial(self.trial_id(number)))
+            point = Point(tuple((rec.point or {}).items()))
+            try:
+                for _, metrics, rel in rec.runs():
+                    hparams.write_session(self.spec, point, self.study_dir / rel, metrics,
+                                          diverged=verdict.outcome == "diverged")
+            except OSError as err:  # the view is a convenience: never lose the trial over it
+                log.warning("trial %d: TensorBoard HParams not written: %s", number, err)
         metric = self.spec.objective.metric
         if verdict.outcome == "complete":
             log.info("trial %d (%s): %s = %s", number, key, metric,
@@ -328,7 +350,8 @@ class Ledger:
         elif verdict.outcome == "diverged":
             log.info("trial %d (%s): diverged (%s)", number, key, verdict.message)
         elif verdict.missing_metric:
-            log.error("trial %d (%s): metrics.json has no %r", number, key, metric)
+            log.error("trial %d (%s): %s (not retried: fix objective.metric)", number, key,
+                      verdict.message)
         else:
             note = " (not retried: fix it, then re-run the sweep)" if (
                 verdict.outcome == "config_error") else ""
@@ -339,12 +362,7 @@ class Ledger:
 
 
 def published_plan(spec: SweepSpec, url: str | None, study_dir: Path) -> dict | None:
-    """What the study's drivers last published about its plan (:data:`ATTR_PLAN`), or None when
-    the study does not exist yet; opens nothing that is not there."""
-    if url is None and not (Path(study_dir) / JOURNAL_NAME).exists():
-        return None
-    try:
-        study = optuna.load_study(study_name=spec.study, storage=open_storage(url, study_dir))
-    except KeyError:
-        return None
-    return study.user_attrs.get(ATTR_PLAN)
+    """What the study's drivers last published about its plan (:data:`STUDY_PLAN`), or None when
+    the study does not exist yet; creates nothing."""
+    found = existing_study(spec, url, study_dir)
+    return found[0].user_attrs.get(STUDY_PLAN) if found is not None else None

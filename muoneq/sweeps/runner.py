@@ -20,8 +20,9 @@ from optuna.trial import TrialState
 
 from muoneq.sweeps import launch
 from muoneq.sweeps.events import ScalarReader
-from muoneq.sweeps.ledger import ATTR_BEAT, Ledger
+from muoneq.sweeps.ledger import Ledger
 from muoneq.sweeps.scheduler import Adopt, Job, Start
+from muoneq.sweeps.trial_record import TrialRecord
 from muoneq.sweeps.verdict import judge
 
 log = logging.getLogger("muoneq.sweeps")
@@ -42,9 +43,14 @@ class Runner:
             self.ledger.tell(job.number, TrialState.FAIL, outcome="failed", message=str(err))
             log.error("%s", err)
             return
-        if outcomes is not None:
-            self.ledger.record(job.number, job.key,
-                               judge(outcomes, job.seeds, self.spec.objective.metric))
+        if outcomes is None:
+            return
+        verdict = judge(outcomes, job.seeds, self.spec.objective.metric)
+        if verdict.missing_metric:  # the run itself succeeded: say why the trial failed
+            for seed in job.seeds:
+                launch.append_log(job.point.run_dir(self.study_dir, seed),
+                                  f"muoneq sweep: trial {job.number} failed: {verdict.message}")
+        self.ledger.record(job.number, job.key, verdict)
 
     def _adopt(self, job: Adopt) -> list[launch.Outcome] | None:
         """Wait for the adopted processes; None when interrupted (the trial is left for the
@@ -122,7 +128,7 @@ class Ticker:
         if now - self.last_beat >= spec.retry.heartbeat_s:
             self.last_beat = now
             try:
-                self.runner.ledger.set_attrs(self.number, {ATTR_BEAT: time.time()})
+                self.runner.ledger.write(self.number, TrialRecord(heartbeat=time.time()))
             except Exception as err:  # a storage hiccup must not kill a long run
                 log.warning("heartbeat of trial %d failed: %s", self.number, err)
         if self.reader is not None and now - self.last_poll >= spec.prune.poll_s:

@@ -25,22 +25,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from muoneq.sweeps import launch
-from muoneq.sweeps.ledger import (
-    ATTR_BEAT,
-    ATTR_DIRS,
-    ATTR_DRIVER,
-    ATTR_HOST,
-    ATTR_KEY,
-    ATTR_POINT,
-    ATTR_RETRY_OF,
-    ATTR_SEEDS,
-    Ledger,
-    RunState,
-    attr,
-    grid_key,
-    split_key,
-)
+from muoneq.sweeps.ledger import Ledger, RunState, grid_key, split_key
 from muoneq.sweeps.spec import Point
+from muoneq.sweeps.trial_record import TrialRecord
 from muoneq.sweeps.verdict import judge
 
 log = logging.getLogger("muoneq.sweeps")
@@ -118,7 +105,7 @@ class Scheduler:
                 last = state.tried[-1]
                 self.ledger.study.enqueue_trial(
                     {} if planned else last.params,
-                    user_attrs={ATTR_RETRY_OF: last.number, ATTR_KEY: key})
+                    user_attrs=TrialRecord(run_key=key, retry_of=last.number).attrs())
                 queued = True
         return queued
 
@@ -139,10 +126,13 @@ class Scheduler:
 
     def _ask(self) -> Start | None:
         """Ask a trial and claim its run; None when the run is taken (the trial is skipped)."""
+        # The plan's first open run is found before asking, so that the claim follows the ask
+        # at once: the shorter that gap, the rarer two racing drivers both pass the check.
+        first_open = self._next_open(self.ledger.survey().runs) if self.spec.planned else None
         trial = self.ledger.study.ask()
         if self.spec.planned:
             # A queued retry names its run; else take the plan's first open one.
-            key = trial.user_attrs.get(ATTR_KEY) or self._next_open(self.ledger.survey().runs)
+            key = TrialRecord.of(trial).run_key or first_open
             cell, seed = split_key(key) if key is not None else (None, 0)
             if cell not in self.ledger.points:
                 self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
@@ -162,7 +152,7 @@ class Scheduler:
             key = point.key
         # The claim is written before looking for an earlier one, so of two racing drivers the
         # one with the lower trial number goes on (duplicate_of).
-        trial.set_user_attr(ATTR_KEY, key)
+        self.ledger.write(trial.number, TrialRecord(run_key=key))
         duplicate = self.ledger.duplicate_of(trial.number, key)
         if duplicate is not None:
             self.ledger.tell(trial.number, TrialState.FAIL, outcome="skipped",
@@ -170,20 +160,20 @@ class Scheduler:
             log.info("trial %d: %s is already taken by trial %d; skipped",
                      trial.number, key, duplicate)
             return None
+        if self.spec.planned:  # a TPE trial has its params from its sampler
+            self.ledger.set_params(trial.number, point)
         runs = self.ledger.survey().runs.get(key, RunState())
         dirs = [str(point.run_dir(self.study_dir, s).relative_to(self.study_dir)) for s in seeds]
-        attrs = {ATTR_POINT: point.as_dict(), ATTR_SEEDS: list(seeds),
-                 ATTR_DIRS: dirs, ATTR_DRIVER: self.me.id, ATTR_HOST: self.me.host,
-                 ATTR_BEAT: time.time(), "attempt": runs.failures + 1}
-        for name, value in attrs.items():
-            trial.set_user_attr(name, value)
+        self.ledger.write(trial.number, TrialRecord(
+            point=point.as_dict(), seeds=list(seeds), run_dirs=dirs, driver=self.me.id,
+            host=self.me.host, heartbeat=time.time(), attempt=runs.failures + 1))
         return Start(trial, point, seeds, key)
 
     def _settle_orphan(self, t: FrozenTrial, key: str) -> Adopt | None:
         """A trial whose driver died: tell its result, adopt its live process, or fail it."""
-        point = self.ledger.point_of_trial(t)
-        seeds = tuple(attr(t, ATTR_SEEDS) or ())
-        dirs = [self.study_dir / d for d in attr(t, ATTR_DIRS, [])]
+        point, rec = self.ledger.point_of_trial(t), TrialRecord.of(t)
+        seeds = tuple(rec.seeds or ())
+        dirs = [self.study_dir / d for d in rec.run_dirs or []]
         if point is None or not dirs:
             self.ledger.tell(t.number, TrialState.FAIL, outcome="failed",
                              message="its driver died before launching it")
@@ -194,12 +184,12 @@ class Scheduler:
             outcomes = [launch.Outcome("complete", launch.read_metrics(d)) for d in dirs]
             self.ledger.record(t.number, key, judge(outcomes, seeds, self.spec.objective.metric))
             return None
-        if attr(t, ATTR_HOST) == self.me.host and any(launch.is_active(d) for d in dirs):
-            self.ledger.set_attrs(t.number, {ATTR_DRIVER: self.me.id, ATTR_BEAT: time.time()})
+        if rec.host == self.me.host and any(launch.is_active(d) for d in dirs):
+            self.ledger.write(t.number, TrialRecord(driver=self.me.id, heartbeat=time.time()))
             log.info("trial %d (%s): driver gone, process alive: adopting it", t.number, key)
             return Adopt(t.number, point, seeds, key)
         self.ledger.tell(t.number, TrialState.FAIL, outcome="failed",
-                         message=f"its driver {attr(t, ATTR_DRIVER)} died and the process is gone")
+                         message=f"its driver {rec.driver} died and the process is gone")
         log.warning("trial %d (%s): driver and process gone: failed, will be retried",
                     t.number, key)
         return None

@@ -13,22 +13,23 @@ a *run* is one process: a point with one seed.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 import shlex
 import string
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from itertools import product
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from muoneq.errors import UserError
-from muoneq.report.schema import DIRECTIONS, ReportSpec, check_report
 from muoneq.suite_files import suite_folder
+from muoneq.sweeps.report_spec import DIRECTIONS, ReportSpec, check_report
 
 #: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
 #: ``key=value`` (fixed overrides first, then the point's axes); ``resume=auto`` lets a retried
@@ -53,7 +54,7 @@ class SweepError(UserError, ValueError):
 
 
 # ---------------------------------------------------------------- the schema (structured configs)
-# (its ``report:`` section is the report's own: :mod:`muoneq.report.schema`)
+# (its ``report:`` section: :mod:`muoneq.sweeps.report_spec`)
 @dataclass
 class Objective:
     metric: str = MISSING  #: key of ``metrics.json`` told to Optuna
@@ -254,11 +255,14 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
     try:
         raw = OmegaConf.load(path)
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
+    except OmegaConfBaseException as err:
+        raise schema_error(err, str(path)) from None
+    try:
         if dotlist:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(dotlist)))
         spec = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise SweepError(f"{path}: {err}") from None
+        raise schema_error(err, f"{path} with --set {' '.join(dotlist)}") from None
     validate(spec, source=str(path))
     return spec
 
@@ -268,9 +272,33 @@ def spec_from_dict(data: dict, source: str = "<dict>") -> SweepSpec:
     try:
         spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), data))
     except OmegaConfBaseException as err:
-        raise SweepError(f"{source}: {err}") from None
+        raise schema_error(err, source) from None
     validate(spec, source=source)
     return spec
+
+
+#: options of ``muoneq sweep`` that are no field of the sweep file (``--set workers=3``)
+CLI_OPTIONS = ("workers", "devices", "storage", "runs_dir", "poll", "dry_run", "status")
+
+
+def schema_error(err: OmegaConfBaseException, source: str) -> SweepError:
+    """One line naming the key: an unknown one with the closest known key and the allowed
+    ones (as training configs say it), any other with OmegaConf's first line."""
+    key = getattr(err, "full_key", None) or "?"
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if not isinstance(err, ConfigKeyError):
+        return SweepError(f"{source}: {key}: {first}")
+    parent, _, name = key.rpartition(".")
+    owner = getattr(err, "object_type", None)  # the schema dataclass the key is not a field of
+    allowed = sorted(f.name for f in fields(owner)) if is_dataclass(owner) else []
+    hint = difflib.get_close_matches(name, allowed, n=1)
+    if owner is SweepSpec and name.replace("-", "_") in CLI_OPTIONS:
+        advice = f"; {name} is an option of the command: --{name.replace('_', '-')}"
+    else:
+        advice = f"; did you mean {hint[0]!r}?" if hint else ""
+    where = f" of {parent or owner.__name__}" if owner is not SweepSpec and allowed else ""
+    return SweepError(f"{source}: unknown key {key!r}{advice}; allowed keys{where}: "
+                      f"{', '.join(allowed) or '(none)'}")
 
 
 def spec_to_dict(spec: SweepSpec) -> dict:

@@ -1,9 +1,12 @@
-"""Open (or create) the Optuna study of a sweep, on a storage opened here.
+"""Open (or create) the Optuna study of a sweep, on a storage opened here, or find an existing
+one without creating anything (:func:`existing_study`, for ``--status`` and ``--dry-run``).
 
 A study keeps the settings it started with: its experiment, fixed overrides, objective, launch
 command and kind (grid or search) are recorded as its ``fingerprint`` and a later driver with
-other values is refused (the grid and the seeds may grow). The sweep spec is saved with the
-study (``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for ``muoneq report``.
+other values is refused (the grid and the seeds may grow; :func:`check_fingerprint`). The sweep
+spec is saved with the study (``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for
+``muoneq report``, and so are its axes' Optuna distributions
+(:mod:`muoneq.sweeps.distributions`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.storages import BaseStorage
 
+from muoneq.sweeps import distributions
 from muoneq.sweeps.spec import SweepError, SweepSpec, spec_to_dict
-from muoneq.sweeps.storage import open_storage, storage_label
+from muoneq.sweeps.storage import JOURNAL_NAME, open_storage, storage_label
+from muoneq.sweeps.trial_record import STUDY_DISTRIBUTIONS, STUDY_FINGERPRINT, STUDY_SPEC
 
 
 def sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler | None:
@@ -52,6 +57,42 @@ def fingerprint(spec: SweepSpec) -> dict:
             "kind": {"grid": "grid", "tpe": "search"}.get(spec.kind, spec.kind)}
 
 
+def existing_study(spec: SweepSpec, url: str | None,
+                   study_dir: Path) -> tuple[optuna.Study, BaseStorage] | None:
+    """The sweep's study and its storage when the study exists, else None; creates nothing
+    (no study folder, no journal file, no study)."""
+    if (url is None or url.startswith("journal:")) and not (
+            Path(url[len("journal:"):]) if url else Path(study_dir) / JOURNAL_NAME).exists():
+        return None
+    storage = open_storage(url, study_dir)
+    try:
+        return optuna.load_study(study_name=spec.study, storage=storage), storage
+    except KeyError:
+        return None
+
+
+def check_fingerprint(spec: SweepSpec, study: optuna.Study, url: str | None,
+                      study_dir: Path) -> None:
+    """:class:`SweepError` when ``study`` was started with other fixed settings than
+    ``spec``'s (a study not yet fingerprinted passes)."""
+    recorded = study.user_attrs.get(STUDY_FINGERPRINT)
+    mine = json.loads(json.dumps(fingerprint(spec)))
+    if recorded is None or recorded == mine:
+        return
+    changed = sorted(k for k in mine if recorded.get(k) != mine[k])
+    where = storage_label(url, study_dir)
+    delete = (f"delete it (rm -r {study_dir})" if url is None else
+              f"delete it (optuna delete-study --study-name {spec.study} --storage "
+              f"{where}, and rm -r {study_dir})")
+    raise SweepError(
+        f"study {spec.study!r} in {where} was created with other "
+        f"{', '.join(changed)} (below), and a study keeps the settings it started with; "
+        "restore them (the sweep file, --set and --override), give this sweep a new "
+        f"study name (--set study=NAME), or {delete} to start over",
+        details=[f"{k}: {recorded.get(k)!r} → {mine[k]!r}" for k in changed],
+    )
+
+
 def open_study(spec: SweepSpec, url: str | None,
                study_dir: Path) -> tuple[optuna.Study, BaseStorage]:
     """The sweep's study on the storage ``url`` names (:func:`open_storage`), and that storage;
@@ -62,23 +103,15 @@ def open_study(spec: SweepSpec, url: str | None,
         study_name=spec.study, storage=storage, sampler=sampler(spec), pruner=pruner(spec),
         direction=spec.objective.direction, load_if_exists=True,
     )
-    recorded = study.user_attrs.get("fingerprint")
-    mine = json.loads(json.dumps(fingerprint(spec)))
-    if recorded is None:
-        study.set_user_attr("fingerprint", mine)
-    elif recorded != mine:
-        changed = sorted(k for k in mine if recorded.get(k) != mine[k])
-        where = storage_label(url, study_dir)
-        delete = (f"delete it (rm -r {study_dir})" if url is None else
-                  f"delete it (optuna delete-study --study-name {spec.study} --storage "
-                  f"{where}, and rm -r {study_dir})")
-        raise SweepError(
-            f"study {spec.study!r} in {where} was created with other "
-            f"{', '.join(changed)} (below), and a study keeps the settings it started with; "
-            "restore them (the sweep file, --set and --override), give this sweep a new "
-            f"study name (--set study=NAME), or {delete} to start over",
-            details=[f"{k}: {recorded.get(k)!r} → {mine[k]!r}" for k in changed],
-        )
-    study.set_user_attr("spec", spec_to_dict(spec))
+    check_fingerprint(spec, study, url, study_dir)
+    if STUDY_FINGERPRINT not in study.user_attrs:
+        study.set_user_attr(STUDY_FINGERPRINT, json.loads(json.dumps(fingerprint(spec))))
+    if spec.planned:
+        recorded = study.user_attrs.get(STUDY_DISTRIBUTIONS)
+        merged = distributions.to_json(distributions.merge(
+            distributions.from_json(recorded), distributions.spec_distributions(spec)))
+        if merged != recorded:
+            study.set_user_attr(STUDY_DISTRIBUTIONS, merged)
+    study.set_user_attr(STUDY_SPEC, spec_to_dict(spec))
     (study_dir / "sweep.yaml").write_text(OmegaConf.to_yaml(spec_to_dict(spec)))
     return study, storage

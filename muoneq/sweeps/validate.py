@@ -1,8 +1,14 @@
-"""Check a sweep before it launches anything (and before its study is created).
+"""Check a sweep before it launches anything (and before its study is created): the preflight
+(:func:`preflight`) that ``--dry-run`` and every start of the sweep run alike.
 
-When the launch command runs ``muoneq train``, every point's training config is composed and
-type-checked exactly as that command will (:func:`muoneq.runtime.config.compose`, without
-training), and the first bad point stops the sweep with its key and the config error. Run
+An existing study must have been started with the same fixed settings
+(:func:`muoneq.sweeps.study.check_fingerprint`: a changed objective is refused before anything
+else). When the launch command runs ``muoneq train``, every point's training config is composed
+and type-checked exactly as that command will (:func:`muoneq.runtime.config.compose`, without
+training), and the first bad point stops the sweep with its key and the config error; the
+objective, and every metric the ``report:`` section names, must be a key of the
+``metrics.json`` its task writes (:func:`muoneq.runtime.metrics.metric_keys`), or the sweep
+stops naming the key, the closest one and the list. Run
 folders that already hold a run (a ``config.yaml``) are compared with the config their point
 gives now: a changed experiment file or override never reuses, or continues, a run made with
 other settings. For an open (TPE) search, every search parameter is checked at its low and high
@@ -13,12 +19,15 @@ checks each value it would add the same way before adding it (:func:`point_check
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from muoneq.errors import UserError
 from muoneq.sweeps.launch import trial_command
+from muoneq.sweeps.report_spec import metrics_named
 from muoneq.sweeps.spec import Point, SweepError, SweepSpec
+from muoneq.sweeps.study import check_fingerprint, existing_study
 
 #: the words that start the training command in a trial's argv (``… -m muoneq train …``)
 TRAIN_COMMAND = ("muoneq", "train")
@@ -56,6 +65,35 @@ def search_points(spec: SweepSpec) -> Iterator[Point]:
                 yield point
 
 
+def preflight(spec: SweepSpec, url: str | None, study_dir: Path) -> int:
+    """Everything checked before a sweep starts or in ``--dry-run`` (module docstring); creates
+    nothing. Returns the number of training configs composed (:func:`check_trials`)."""
+    found = existing_study(spec, url, study_dir)
+    if found is not None:
+        check_fingerprint(spec, found[0], url, study_dir)
+    return check_trials(spec, study_dir)
+
+
+def check_metrics(spec: SweepSpec, cfg, point: Point) -> None:
+    """:class:`SweepError` when the objective or a metric of the report is not a key of the
+    ``metrics.json`` that ``cfg`` (``point``'s config) writes; nothing when its task declares
+    no keys."""
+    from muoneq.runtime.metrics import METRICS_FILE, metric_keys
+
+    keys = metric_keys(cfg)
+    if keys is None:
+        return
+    named = {spec.objective.metric: "objective.metric", **metrics_named(spec.report)}
+    for metric, field in named.items():
+        if metric not in keys:
+            hint = difflib.get_close_matches(metric, keys, n=1, cutoff=0.6)
+            raise SweepError(
+                f"{field}={metric!r} is not a key of the {METRICS_FILE} a run of point "
+                f"{point.key!r} writes (task {cfg.task.name})"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f"; its keys: {', '.join(keys)}")
+
+
 def check_trials(spec: SweepSpec, study_dir: Path) -> int:
     """Compose the training config of every point (grid) or of the search's bounds (TPE) and
     compare existing run folders with it; raise :class:`SweepError` at the first problem.
@@ -80,6 +118,7 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
                     "fix the sweep's overrides or grid (--dry-run checks every point)") from None
             if cfg is None:
                 return 0
+            check_metrics(spec, cfg, point)
             composed += 1
             changed = [] if saved is None else record.changed_settings(saved, cfg)
             if changed:

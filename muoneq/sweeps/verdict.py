@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from optuna.trial import TrialState
 
+from muoneq.runtime.metrics import METRICS_FILE
 from muoneq.sweeps.launch import Outcome
+from muoneq.sweeps.trial_record import TrialRecord
 
 #: a trial process that exits with this status has a config, data or resume error (``muoneq``
 #: prints it as one line): retrying cannot help, the user must fix it
@@ -25,13 +27,13 @@ CONFIG_ERROR_EXIT = 2
 class Verdict:
     """What to tell Optuna: ``state``, the objective ``value`` (COMPLETE only), the trial's
     ``outcome`` (complete, diverged, pruned, interrupted, timeout, config_error or failed), a
-    message and the metrics to record."""
+    message and the trial's metrics (``record``)."""
 
     state: TrialState
     outcome: str
     value: float | None = None
     message: str = ""
-    attrs: dict = field(default_factory=dict)
+    record: TrialRecord = field(default_factory=TrialRecord)
     missing_metric: bool = False  #: every run finished but metrics.json lacks the objective
 
 
@@ -40,23 +42,25 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
     did not complete) ended in ``outcomes``."""
     last = outcomes[-1] if outcomes else Outcome("failed", message="nothing ran")
     per_seed = [o.metrics for o in outcomes if o.metrics is not None]
-    attrs: dict = {}
+    record = TrialRecord()
     if per_seed:
-        attrs["metrics"] = per_seed[0] if len(seeds) == 1 else mean_metrics(per_seed)
+        record.metrics = per_seed[0] if len(seeds) == 1 else mean_metrics(per_seed)
         if len(seeds) > 1:
-            attrs["metrics_per_seed"] = per_seed
+            record.metrics_per_seed = per_seed
     if last.status != "complete" or len(outcomes) < len(seeds):
         status = last.status if last.status in ("pruned", "interrupted", "timeout") else (
             "config_error" if last.returncode == CONFIG_ERROR_EXIT else "failed")
         state = TrialState.PRUNED if status == "pruned" else TrialState.FAIL
-        return Verdict(state, status, message=last.message, attrs=attrs)
+        return Verdict(state, status, message=last.message, record=record)
     if any(metric not in m for m in per_seed):
-        return Verdict(TrialState.FAIL, "failed", attrs=attrs, missing_metric=True,
-                       message=f"metrics.json has no {metric!r}; keys: {sorted(per_seed[0])}")
+        # a retry would read the same file: the objective must be fixed (a config error)
+        return Verdict(TrialState.FAIL, "config_error", record=record, missing_metric=True,
+                       message=f"{METRICS_FILE} has no {metric!r} (objective.metric); it has: "
+                               f"{', '.join(sorted(per_seed[0]))}")
     values = [m[metric] for m in per_seed]
     if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
-        return Verdict(TrialState.FAIL, "diverged", attrs=attrs, message=f"{metric} = {values}")
-    return Verdict(TrialState.COMPLETE, "complete", value=sum(values) / len(values), attrs=attrs)
+        return Verdict(TrialState.FAIL, "diverged", record=record, message=f"{metric} = {values}")
+    return Verdict(TrialState.COMPLETE, "complete", value=sum(values) / len(values), record=record)
 
 
 def mean_metrics(per_seed: Sequence[dict]) -> dict:

@@ -15,5 +15,14 @@ def build(cfg):
     return build(cfg)
 
 
+def metrics(cfg) -> tuple[str, ...]:
+    """What :class:`tasks.language.module.LanguageModule` adds to ``metrics.json``
+    (``perf/mfu`` only where the devices' peak FLOPs are known: ``task.peak_tflops``, or a GPU
+    it knows)."""
+    return ("train/loss", "val/loss", "val/ppl", "val/tokens", "best_val_loss", "best_val_ppl",
+            "perf/tokens_per_s", "perf/mfu", "non_embedding_parameters", "tokens",
+            "tokens_per_step", "flops_per_token", "tokens_per_s", "mfu")
+
+
 TASK = TaskSpec(LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: "
-                "validation perplexity")
+                "validation perplexity", metrics)

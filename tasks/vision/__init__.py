@@ -14,4 +14,12 @@ def build(cfg):
     return build(cfg)
 
 
-TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy")
+def metrics(cfg) -> tuple[str, ...]:
+    """What :class:`tasks.vision.cifar10.Cifar10Module` adds to ``metrics.json``: training and
+    test loss and accuracy, and the validation ones with a validation split."""
+    validation = ("val/acc", "val/loss") if cfg.task.data.val_size > 0 else ()
+    return ("train/loss", "train/acc", "test/acc", "test/loss", "best_val_acc", *validation)
+
+
+TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
+                metrics)

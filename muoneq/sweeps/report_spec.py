@@ -1,8 +1,10 @@
 """The ``report:`` section of a sweep file: which tables, heatmaps, line plots and learning
-curves ``muoneq report`` writes (typed OmegaConf schema and its checks).
+curves ``muoneq report`` (:mod:`muoneq.report`) writes (typed OmegaConf schema and its checks).
 
-The sweep file (:mod:`muoneq.sweeps.spec`) embeds this section as ``SweepSpec.report`` and checks
-it when the file is loaded, against the sweep's search axes (:func:`check_report`).
+The sweep file's schema (:mod:`muoneq.sweeps.spec`) embeds this section as ``SweepSpec.report``
+and checks it when the file is loaded, against the sweep's search axes (:func:`check_report`);
+:func:`metrics_named` lists the ``metrics.json`` keys it names, which a sweep checks before it
+runs anything (:mod:`muoneq.sweeps.validate`).
 """
 
 from __future__ import annotations
@@ -111,3 +113,19 @@ def check_report(report: ReportSpec, axes: Iterable[str]) -> None:
     if report.curves is not None:
         for a in report.curves.select:
             need(a, "report.curves.select")
+
+
+def metrics_named(report: ReportSpec) -> dict[str, str]:
+    """The ``metrics.json`` keys the report's tables, heatmaps and line plots name, each with
+    the field that names it (the objective is the default where none is named)."""
+    named: dict[str, str] = {}
+    for t in report.tables:
+        for m in t.metrics:
+            named.setdefault(m.key, f"report.tables[{t.name}].metrics.key")
+    for h in report.heatmaps:
+        if h.metric is not None:
+            named.setdefault(h.metric, "report.heatmaps.metric")
+    for line in report.lines:
+        for m in line.metrics:
+            named.setdefault(m, f"report.lines[{line.name}].metrics")
+    return named

@@ -1,0 +1,150 @@
+"""Every trial carries its point as Optuna params (muoneq.sweeps.distributions), so Optuna's own
+tools read every study: grids grown by bracketing, coordinate descent and TPE; the report adds
+Optuna's importances, contour and slice plots, also for a study made before trials had params.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+from report_helpers import add_trial, stored_study
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_sweeps import load, options, write_sweep
+
+from muoneq.report import load_study_data, write_report
+from muoneq.sweeps import Driver, load_sweep
+from muoneq.sweeps.distributions import merge, spec_distributions
+from muoneq.sweeps.spec import spec_from_dict
+from muoneq.sweeps.trial_record import TrialRecord
+
+matplotlib.use("Agg")
+
+#: lr × momentum around the objective program's optimum (lr 0.3, momentum 0.8): bracketing
+#: must add lr values above the grid, so the study's lr distribution must hold them from the start
+TWO_AXES = [{"optimizer": ["muon_nes"], "optimizer.lr": [0.05, 0.1],
+             "optimizer.momentum": [0.75, 0.8, 0.85], "optimizer.ns_steps": [5]}]
+
+
+def run(tmp_path: Path, **fields) -> optuna.Study:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], **fields)
+    summary = Driver(load_sweep(sweep), options(tmp_path)).run()
+    assert summary.exit_code == 0
+    return load(tmp_path)
+
+
+def assert_params_are_points(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    done = study.get_trials(states=(TrialState.COMPLETE,))
+    assert done
+    for t in done:
+        assert t.params == TrialRecord.of(t).point, t.number
+    return done
+
+
+def test_a_bracketed_grid_carries_its_points_as_params_in_fixed_distributions(tmp_path):
+    study = run(tmp_path, grid=TWO_AXES,
+                bracket={"axes": ["optimizer.lr"], "max_extensions": 3})
+    done = assert_params_are_points(study)
+    lrs = sorted({t.params["optimizer.lr"] for t in done})
+    assert lrs == [0.05, 0.1, 0.2, 0.4, 0.8]  # grown by bracketing: 0.2, 0.4 (best), 0.8
+    dists = {name: {repr(t.distributions[name]) for t in done} for name in done[0].params}
+    assert all(len(d) == 1 for d in dists.values()), dists  # one distribution per axis
+    d = done[0].distributions
+    # the widest lr bracketing could reach: 0.1 · 2³ above, 0.05 / 2³ below
+    assert d["optimizer.lr"] == FloatDistribution(0.00625, 0.8, log=True)
+    assert d["optimizer.momentum"] == FloatDistribution(0.75, 0.85)  # not bracketed
+    assert d["optimizer.ns_steps"] == IntDistribution(5, 5)
+    assert d["optimizer"] == CategoricalDistribution(["muon_nes"])
+    frame = study.trials_dataframe()
+    assert {"params_optimizer.lr", "params_optimizer.momentum"} <= set(frame.columns)
+    assert frame["params_optimizer.lr"].notna().sum() == len(done)
+    from optuna.visualization import matplotlib as views
+
+    views.plot_contour(study, params=["optimizer.lr", "optimizer.momentum"])
+    views.plot_slice(study)
+    importances = optuna.importance.get_param_importances(study)
+    # momentum is 0.05 from its optimum per step, lr a factor of 2: momentum matters more
+    assert importances["optimizer.momentum"] > importances["optimizer.lr"]
+    views.plot_param_importances(study)
+
+
+def test_coordinate_descent_and_tpe_trials_carry_params(tmp_path):
+    coordinate = {"type": "coordinate", "start": {"optimizer.lr": 0.1, "optimizer.momentum": 0.7},
+                  "params": {"optimizer.lr": {"values": [0.1, 0.3]},
+                             "optimizer.momentum": {"values": [0.7, 0.8]}}}
+    study = run(tmp_path / "cd", grid=[], search=coordinate)
+    done = assert_params_are_points(study)
+    assert {t.params["optimizer.lr"] for t in done} == {0.1, 0.3}
+    assert isinstance(done[0].distributions["optimizer.lr"], FloatDistribution)
+    tpe = {"type": "tpe", "n_trials": 3, "sampler_seed": 0, "n_startup_trials": 2,
+           "params": {"optimizer.lr": {"type": "float", "low": 0.01, "high": 1.0, "log": True}}}
+    study = run(tmp_path / "tpe", grid=[], search=tpe)
+    assert len(assert_params_are_points(study)) == 3
+
+
+def test_distributions_cover_bracketing_and_only_widen():
+    spec = spec_from_dict({
+        "study": "d", "experiment": "e", "objective": {"metric": "m"},
+        "grid": [{"optimizer": ["a", "b"], "optimizer.lr": [0.01, 0.02, 0.04],
+                  "optimizer.ns_steps": [4, 5]}],
+        "bracket": {"axes": ["optimizer.lr", "optimizer.ns_steps"], "max_extensions": 2,
+                    "bounds": {"optimizer.ns_steps": [1, 6]}}})
+    d = spec_distributions(spec)
+    lr = d["optimizer.lr"]
+    assert lr.log and math.isclose(lr.low, 0.0025) and math.isclose(lr.high, 0.16)
+    assert d["optimizer.ns_steps"] == IntDistribution(2, 6)  # 4 − 2·1 … 5 + 1 (bound 6)
+    assert d["optimizer"] == CategoricalDistribution(["a", "b"])
+    wider = {"optimizer.lr": FloatDistribution(0.001, 0.01, log=True),
+             "optimizer": CategoricalDistribution(["a", "b", "c"])}
+    merged = merge(d, wider)
+    assert merged["optimizer.lr"] == FloatDistribution(0.001, 0.16, log=True)
+    assert merged["optimizer"] == d["optimizer"]  # a categorical's choices never change
+
+
+def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
+    """A study made before trials carried params (points in user attributes only) reports
+    Optuna's importances, contour and slice plots from its points."""
+    sweep = {"study": "old", "experiment": "cifar10_resnet18", "seeds": [0],
+             "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.01, 0.02, 0.04],
+                       "optimizer.momentum": [0.9, 0.95]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    _, spec, study = stored_study(tmp_path, sweep)
+    study_dir = tmp_path / "runs" / "old"
+    for p in spec.points():
+        point = p.as_dict()
+        value = 0.9 - abs(math.log2(point["optimizer.lr"] / 0.02)) / 10 - (
+            0.95 - point["optimizer.momentum"])
+        add_trial(study, (point, p.key), 0, value)
+    assert all(not t.params for t in study.get_trials())
+    report = write_report(load_study_data(study_dir))
+    for name in ("optuna_contour", "optuna_slice", "optuna_importances"):
+        assert (report.out_dir / f"{name}.png").is_file()
+        assert f"![{name}]({name}.png)" in report.markdown
+    events = EventAccumulator(str(report.out_dir / "tensorboard"))
+    events.Reload()
+    assert {"optuna/contour", "optuna/slice", "optuna/importances"} <= set(
+        events.Tags()["images"])
+    assert "| optimizer.lr |" in report.markdown and "| optimizer.momentum |" in report.markdown
+
+
+def test_report_of_a_one_axis_study_has_no_optuna_views(tmp_path):
+    study = run(tmp_path, grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3]}])
+    assert_params_are_points(study)
+    report = write_report(load_study_data(tmp_path / "runs" / "tiny"), tensorboard=False)
+    assert "Optuna's views" not in report.markdown
+
+
+def test_a_categorical_value_added_later_stays_out_of_params(tmp_path, caplog):
+    """An optimizer added to the grid of a running study cannot join its recorded categorical
+    (Optuna forbids new choices): its trials run, without that param, and the driver says so."""
+    run(tmp_path, grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.3]}])
+    study = run(tmp_path, grid=[{"optimizer": ["muon_nes", "adamw"], "optimizer.lr": [0.3]}])
+    added = [t for t in study.get_trials(states=(TrialState.COMPLETE,))
+             if TrialRecord.of(t).point["optimizer"] == "adamw"]
+    assert len(added) == 1 and added[0].params == {"optimizer.lr": 0.3}
+    assert "optimizer=adamw is not in the study's Optuna distribution" in caplog.text

@@ -1,0 +1,125 @@
+"""One preflight for a sweep (muoneq.sweeps.validate.preflight), run by ``--dry-run`` and by
+every start alike: a misspelled objective or report metric stops it before any run, with the
+closest key and the keys the task writes; a changed objective is refused by ``--dry-run`` as by
+the real run; ``--status`` and ``--dry-run`` create nothing; an unknown sweep key is one line
+with a did-you-mean; ``make report`` skips a study without results and reports the others.
+"""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import yaml
+from report_helpers import add_trial
+from test_documented_commands import make, one_line_error
+from test_sweeps import REPO, load, options, write_sweep
+
+from muoneq.cli import main
+from muoneq.runtime import compose
+from muoneq.runtime.metrics import metric_keys
+from muoneq.sweeps import Driver, load_sweep
+from muoneq.sweeps.spec import spec_to_dict
+from muoneq.sweeps.storage import open_storage
+
+GPT2 = str(REPO / "sweeps" / "ablation-gpt2.yaml")
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_misspelled_objective_stops_the_sweep_before_any_run(tmp_path, capsys, dry_run):
+    runs = tmp_path / "runs"
+    code = main(["sweep", GPT2, "--runs-dir", str(runs), "--set", "objective.metric=val/pplx",
+                 *(["--dry-run"] if dry_run else [])])
+    err = one_line_error(capsys.readouterr().err)
+    assert code == 2 and not runs.exists()
+    assert err.startswith("muoneq: objective.metric='val/pplx' is not a key of the metrics.json "
+                          "a run of point 'optimizer=adamw optimizer.lr=0.0005' writes (task "
+                          "language); did you mean 'val/ppl'?; its keys: ")
+    assert "val/loss, val/ppl, val/tokens" in err
+
+
+def test_a_misspelled_report_metric_stops_the_sweep(tmp_path, capsys):
+    sweep = yaml.safe_load((REPO / "sweeps" / "ablation-cifar10.yaml").read_text())
+    sweep["report"]["tables"][0]["metrics"][1]["key"] = "step_time"
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert main(["sweep", str(path), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert "report.tables[ablation].metrics.key='step_time' is not a key" in err
+    assert "did you mean 'step_time_s'?" in err and "(task cifar10)" in err
+
+
+def test_declared_keys_follow_the_config():
+    """A CIFAR-10 run has validation keys only with a validation split (the keys a run really
+    writes are checked against these in tests/test_runtime_train.py)."""
+    plain = metric_keys(compose(["experiment=cifar10_resnet18"]))
+    split = metric_keys(compose(["experiment=cifar10_resnet18", "task.data.val_size=100"]))
+    assert "val/acc" not in plain and "test/acc" in plain
+    assert set(split) - set(plain) == {"val/acc", "val/loss"}
+
+
+def test_dry_run_and_status_create_nothing_and_refuse_a_changed_objective(tmp_path, capsys):
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0])
+    runs = tmp_path / "runs"
+    base = ["sweep", str(sweep), "--runs-dir", str(runs)]
+    assert main([*base, "--status"]) == 0
+    assert "study tiny (journal:" in capsys.readouterr().out and not runs.exists()
+    assert main([*base, "--dry-run"]) == 0 and not runs.exists()
+    capsys.readouterr()
+    assert Driver(load_sweep(sweep), options(tmp_path)).run().exit_code == 0
+    assert main([*base, "--status"]) == 0
+    assert "2/2 runs done" in capsys.readouterr().out
+    for extra in (["--dry-run"], []):
+        assert main([*base, "--set", "objective.metric=loss", *extra]) == 2
+        err = one_line_error(capsys.readouterr().err)
+        assert "was created with other objective" in err
+    assert len(load(tmp_path).trials) == 2  # nothing more ran
+
+
+def test_metrics_json_without_the_objective_lists_its_keys(tmp_path, caplog):
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], objective={"metric": "val_los"},
+                        grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1]}])
+    Driver(load_sweep(sweep), options(tmp_path)).run()
+    (t,) = load(tmp_path).trials
+    assert t.user_attrs["message"] == "metrics.json has no 'val_los' (objective.metric); it " \
+                                      "has: val_loss"
+    assert "metrics.json has no 'val_los'" in caplog.text
+    run_dir = tmp_path / "runs" / "tiny" / t.user_attrs["run_dirs"][0]
+    assert "it has: val_loss" in (run_dir / "trial.log").read_text()
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("workers=3", "unknown key 'workers'; workers is an option of the command: --workers; "
+                  "allowed keys: bracket, description,"),
+    ("objective.metrc=x", "unknown key 'objective.metrc'; did you mean 'metric'?; allowed keys "
+                          "of objective: direction, metric"),
+    ("bracket.axs=[x]", "unknown key 'bracket.axs'; did you mean 'axes'?; allowed keys of "
+                        "bracket: axes, bounds, max_extensions, scale"),
+])
+def test_an_unknown_sweep_key_is_one_line_with_a_did_you_mean(capsys, setting, expected):
+    assert main(["sweep", GPT2, "--set", setting, "--dry-run"]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert f"with --set {setting}: {expected}" in err and "full_key" not in err
+
+
+@pytest.mark.slow
+def test_make_report_skips_a_study_without_results_and_reports_the_others(tmp_path):
+    runs = tmp_path / "runs"
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0])
+    Driver(load_sweep(sweep), options(tmp_path)).run()
+    empty = load_sweep(sweep)
+    empty.study = "empty"
+    study = optuna.create_study(study_name="empty", storage=open_storage(None, runs / "empty"))
+    study.set_user_attr("spec", spec_to_dict(empty))
+    add_trial(study, ({"optimizer": "muon_nes", "optimizer.lr": 0.02},
+                      "optimizer=muon_nes optimizer.lr=0.02"), 0, None, outcome="failed",
+              state=optuna.trial.TrialState.FAIL)
+    done = make("report", f"RUNS={runs}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"muoneq report: skipped study empty ({runs / 'empty'}): no finished run yet" \
+        in done.stdout
+    assert (runs / "tiny" / "report" / "report.md").is_file()
+    assert not (runs / "empty" / "report").exists()
+    assert json.loads((runs / "tiny" / "trials").joinpath(
+        "optimizer=muon_nes,optimizer.lr=0.02", "seed0", "metrics.json").read_text())
