@@ -50,7 +50,7 @@ def muoneq_update(
     eps: float = 1e-8,
     ns_steps: int = 5,
     ns_coefficients="quintic",
-    ns_dtype: torch.dtype | str = torch.bfloat16,
+    ns_dtype: torch.dtype | str = "auto",
 ) -> Tensor:
     """Algorithm 1, lines 5–12, for one m×n matrix: update ``momentum`` in place and return
     the direction ``O_t`` (in ``ns_dtype``; apply it with :func:`update_parameter`)."""
@@ -101,7 +101,7 @@ def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
     least, ``M``'s shape; allocated when not given).
     """
     mode = canonical_mode(mode)
-    dtype = M.dtype if dtype is None else resolve_dtype(dtype)
+    dtype = M.dtype if dtype is None else resolve_dtype(dtype, M.device)
     if out is None:
         out = torch.empty(M.shape, dtype=dtype, device=M.device)
     if mode == "none":

@@ -150,25 +150,38 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     return NSSchedule(spec)
 
 
+#: ``ns_dtype="auto"``: float32 on CPU (no faster in bf16 there, and more accurate), bfloat16 on
+#: accelerators (CUDA, NPU, …), the paper's setting.
+AUTO_DTYPE = "auto"
+
+
 def dtype_name(dtype) -> str:
-    """The canonical name (``"bfloat16"``, …) of an allowed ``ns_dtype``.
+    """The canonical name (``"auto"``, ``"bfloat16"``, …) of an allowed ``ns_dtype``.
 
     Param groups keep the name, not the ``torch.dtype``: ``torch.distributed.checkpoint``
     refuses dtype objects in an optimizer state dict (FSDP2 checkpoints).
     """
-    resolved = resolve_dtype(dtype)
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE:
+        return AUTO_DTYPE
+    resolved = resolve_dtype(dtype, allow_auto=True)
     return next(name for name, value in DTYPES.items() if value is resolved)
 
 
-def resolve_dtype(dtype) -> torch.dtype:
-    """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …)."""
+def resolve_dtype(dtype, device: torch.device | str | None = None, *,
+                  allow_auto: bool | None = None) -> torch.dtype:
+    """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …); ``"auto"`` is
+    float32 on a CPU ``device`` and bfloat16 on any other (it needs the ``device``)."""
+    allow_auto = device is not None if allow_auto is None else allow_auto
+    allowed = ", ".join([AUTO_DTYPE, *DTYPES] if allow_auto else DTYPES)
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {', '.join(DTYPES)}")
+            raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {allowed}")
         return dtype
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE and device is not None:
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {allowed}")
 
 
 def canonical_algorithm(name) -> str:
@@ -221,21 +234,22 @@ def newton_schulz(
     G: Tensor,
     steps: int = 5,
     coefficients="quintic",
-    dtype: torch.dtype | str = torch.bfloat16,
+    dtype: torch.dtype | str = AUTO_DTYPE,
     algorithm: str = "standard",
 ) -> Tensor:
     """Return ``NS_K(G)`` for a matrix or a batch of matrices ``(..., m, n)``.
 
-    The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype`` or its name;
-    returned in that dtype: callers cast when applying the update). ``steps=0`` returns the
-    normalized input. ``algorithm`` is the evaluation order (module docstring).
+    The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype``, its name, or
+    ``"auto"``: :data:`AUTO_DTYPE`, for ``G``'s device; returned in that dtype: callers cast
+    when applying the update). ``steps=0`` returns the normalized input. ``algorithm`` is the
+    evaluation order (module docstring).
     """
     if G.ndim < 2:
         raise ValueError(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
     return run_schedule(G, resolve_schedule(normalize_coefficients(coefficients, steps), steps),
-                        resolve_dtype(dtype), algorithm=canonical_algorithm(algorithm))
+                        resolve_dtype(dtype, G.device), algorithm=canonical_algorithm(algorithm))
 
 
 def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
@@ -276,7 +290,7 @@ def newton_schulz_iterates(
             f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
     schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    X, transposed = _normalized_wide(G, resolve_dtype(dtype), schedule.norm_scale)
+    X, transposed = _normalized_wide(G, resolve_dtype(dtype, G.device), schedule.norm_scale)
     yield X.mT if transposed else X
     for a, b, c in schedule.coefficients:
         X = newton_schulz_step(X, a, b, c)

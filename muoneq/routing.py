@@ -269,6 +269,12 @@ def route(
     split_fused: bool = False,
 ) -> list[Route]:
     """The decision for every parameter of ``model`` (see :func:`param_groups`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"param_groups: expected the model (an nn.Module), got {type(model).__name__}: "
+            "pass the model itself, param_groups(model) (its layers decide the routing), or "
+            "hand your own groups of model.named_parameters() to the optimizer"
+        )
     head_names, adamw_names = tuple(head_names), tuple(adamw_names)
     transposed, stacked = list(transposed), list(stacked)
     splits = {k: tuple(v) for k, v in (splits or {}).items()}

@@ -10,6 +10,7 @@ from torch import nn
 
 from muoneq import MuonEq, muoneq_update
 from muoneq.functional import lr_scale, update_parameter
+from muoneq.newton_schulz import resolve_dtype
 
 F64 = torch.float64
 
@@ -94,7 +95,7 @@ def test_mode_none_is_torch_muon_match_rms_adamw(nesterov, shape):
     grads = [torch.randn(shape) for _ in range(5)]
     ours, theirs = nn.Parameter(X0.clone()), nn.Parameter(X0.clone())
     opt_ours = MuonEq([ours], lr=0.02, momentum=0.95, nesterov=nesterov, mode="none",
-                      weight_decay=0.1, lr_adjust="rms")
+                      weight_decay=0.1, lr_adjust="rms", ns_dtype="bfloat16")
     opt_theirs = torch.optim.Muon([theirs], lr=0.02, momentum=0.95, nesterov=nesterov,
                                   weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     run_steps(opt_ours, [ours], [[g] for g in grads])
@@ -356,3 +357,18 @@ def test_optimizer_state_round_trips_through_torch_distributed_checkpoint(tmp_pa
         for key, value in opt.state[p].items():
             assert torch.equal(fresh.state[p][key], value)
     assert fresh.param_groups[0]["ns_dtype"] == "float32"
+
+
+def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators():
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype: unknown dtype 'auto'; allowed: float64"):
+        resolve_dtype("auto")  # no device to decide for
+    X0, grads = torch.randn(24, 40), [torch.randn(24, 40) for _ in range(3)]
+    params = {}
+    for dtype in ("auto", "float32", "bfloat16"):
+        params[dtype] = nn.Parameter(X0.clone())
+        run_steps(MuonEq([params[dtype]], lr=0.02, ns_dtype=dtype), [params[dtype]],
+                  [[g] for g in grads])
+    assert torch.equal(params["auto"], params["float32"])
+    assert not torch.equal(params["auto"], params["bfloat16"])

@@ -293,3 +293,16 @@ def test_describe_prints_one_row_per_tensor_with_its_rule(capsys):
     assert row.split()[1:5] == ["(24,", "8)", "(24,", "8)"] and "linear map: Linear" in row
     assert "matrix (Muon-type):    4 tensors, 896 parameters" in out
     assert describe(model, split_fused=True) in out
+
+
+@pytest.mark.parametrize("given", ["parameters", "named_parameters", "list"])
+def test_parameters_instead_of_the_model_get_a_one_line_error(given):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = {"parameters": model.parameters(), "named_parameters": model.named_parameters(),
+              "list": list(model.parameters())}[given]
+    with pytest.raises(TypeError) as caught:
+        param_groups(params)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("param_groups: expected the model (an nn.Module), got ")
+    assert "param_groups(model)" in message and "model.named_parameters()" in message

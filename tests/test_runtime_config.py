@@ -87,7 +87,7 @@ def test_schema_types_come_from_the_signature():
     merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(["momentum=1"]))  # int accepted
     assert merged.momentum == 1.0 and isinstance(merged.momentum, float)
     muoneq = OmegaConf.structured(optimizer_schema("muoneq"))
-    assert muoneq.ns_dtype == "bfloat16" and muoneq.mode == "R" and muoneq.nesterov is False
+    assert muoneq.ns_dtype == "auto" and muoneq.mode == "R" and muoneq.nesterov is False
     assert "routing" in muoneq and "routing" not in schema  # routing only for hybrid methods
 
 

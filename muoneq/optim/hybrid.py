@@ -83,10 +83,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "momentum": Hyper(0.95, decay, when="use_muon", annotation=float),
         "nesterov": Hyper(True, boolean, when="use_muon", annotation=bool),
         "weight_decay": Hyper(0.1, nonnegative, annotation=float),
-        "ns_steps": Hyper(5, integer(0), when="use_muon", annotation=int),
+        "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
         "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
-        "ns_dtype": Hyper(torch.bfloat16, converted(dtype_name)),  # one spelling in every group
+        # "auto": float32 on CPU, bfloat16 on accelerators; one spelling in every group
+        "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
         "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
         "adamw_betas": Hyper((0.9, 0.95), betas),
         "adamw_eps": Hyper(1e-8, nonnegative, annotation=float),
@@ -141,26 +142,28 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if not group["use_muon"]:
             return
         name = type(self).__name__
-        for p in group["params"]:
+        names = group.get("param_names") or [None] * len(group["params"])
+        for p, pname in zip(group["params"], names, strict=True):
+            which = f"{pname!r} (shape {tuple(p.shape)})" if pname else \
+                f"a parameter of shape {tuple(p.shape)}"
             if p.ndim < 2:
                 raise ValueError(
-                    f"{name}: a parameter of shape {tuple(p.shape)} is in a matrix "
-                    "(use_muon=True) group; 0-D and 1-D tensors must go to a use_muon=False "
-                    "(AdamW) group — muoneq.param_groups(model) routes them"
+                    f"{name}: {which} is in a matrix (use_muon=True) group; 0-D and 1-D "
+                    "tensors must go to a use_muon=False (AdamW) group — "
+                    "muoneq.param_groups(model) routes them"
                 )
             if p.is_complex():
                 raise ValueError(
-                    f"{name}: a complex parameter of shape {tuple(p.shape)} is in a matrix "
-                    "(use_muon=True) group; orthogonalized updates are defined for real "
-                    "matrices: put it in a use_muon=False (AdamW) group"
+                    f"{name}: complex {which} is in a matrix (use_muon=True) group; "
+                    "orthogonalized updates are defined for real matrices: put it in a "
+                    "use_muon=False (AdamW) group"
                 )
             layout = MatrixLayout.of(p, group)
             if len(layout.blocks) > 1 and not self.stateless_direction:
                 raise ValueError(
-                    f"splits/batch_dims: {name} keeps state per matrix parameter, so a "
-                    f"parameter of shape {tuple(p.shape)} must be one matrix (got "
-                    f"{layout.describe()}); split fused weights with MuonEq or Muon, or leave "
-                    "splits=None and batch_dims=0"
+                    f"splits/batch_dims: {name} keeps state per matrix parameter, so {which} "
+                    f"must be one matrix (got {layout.describe()}); split fused weights with "
+                    "MuonEq or Muon, or leave splits=None and batch_dims=0"
                 )
 
     # ----------------------------------------------------------------- state
@@ -268,7 +271,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             direction=lambda p, m_tilde, state: self._direction(p, m_tilde, state, group),
             apply=lambda s, direction: self._apply(s, direction, group),
             block_cost=lambda shape: self._direction_flops(shape, group),
-            dtype=resolve_dtype(group["ns_dtype"]), state=self.state.__getitem__,
+            dtype=resolve_dtype(group["ns_dtype"], slots[0].value.device),
+            state=self.state.__getitem__,
             stacked=stacked,
         )
 

@@ -51,7 +51,8 @@ class MuonEq(HybridOrthogonalOptimizer):
         ns_steps: Newton–Schulz steps ``K`` ≥ 0.
         ns_coefficients: ``"quintic"``, ``"taylor"``, ``"polar_express"``, ``(a, b, c)`` or a
             list of ``ns_steps`` tuples (see :mod:`muoneq.newton_schulz`).
-        ns_dtype: dtype of the Newton–Schulz iteration (a ``torch.dtype`` or its name).
+        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: float32 on CPU,
+            bfloat16 on accelerators), a ``torch.dtype`` or its name.
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
         lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``) or ``"none"``.
         adamw_betas, adamw_eps: AdamW settings of ``use_muon=False`` groups.
@@ -104,7 +105,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         DiagPre writes its result straight in ``ns_dtype``; a single matrix's temporaries live
         in the optimizer's workspace (a stack allocates its own).
         """
-        dtype = resolve_dtype(group["ns_dtype"])
+        dtype = resolve_dtype(group["ns_dtype"], m_tilde.device)
         schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
         ws = self._workspace if m_tilde.ndim == 2 and self._compiled is None else None
         out = scratch = None
