@@ -75,6 +75,20 @@ def test_every_optimizer_file_composes_and_builds(path):
     assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
 
 
+def test_no_decay_exempts_vectors_and_embeddings_from_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    groups = {}
+    for flag in ("false", "true"):
+        cfg = compose(["task=cifar10", "optimizer=muoneq_nes", "trainer.max_steps=1",
+                       f"optimizer.no_decay={flag}"])
+        opt = build_optimizer_from_config(model, cfg.optimizer)
+        groups[flag] = {g["name"]: (len(g["params"]), g["weight_decay"])
+                        for g in opt.param_groups}
+    assert groups["false"] == {"muon": (1, 0.1), "adamw": (6, 0.1)}  # the paper's setting
+    assert groups["true"] == {"muon": (1, 0.1), "adamw": (1, 0.1), "adamw_no_decay": (5, 0.0)}
+
+
 def test_every_registered_optimizer_and_task_has_a_file():
     assert {p.stem for p in (CONF / "optimizer").glob("*.yaml")} >= set(OPTIMIZERS)
     task_names = {OmegaConf.load(p).get("name", p.stem) for p in (CONF / "task").glob("*.yaml")}
@@ -102,7 +116,8 @@ def test_schema_types_come_from_the_signature():
         (["optimizer=adamx"], ["optimizer=adamx", "did you mean 'adamw'", "muoneq_nes"]),
         (["optimizer.mode=X"], ["optimizer.mode", "'X'", "R", "RC"]),
         (["optimizer.momentum=1.5"], ["optimizer.momentum", "1.5"]),
-        (["optimizer.ns_dtype=float8"], ["optimizer.ns_dtype", "bfloat16"]),
+        (["optimizer.ns_dtype=float8"], ["optimizer.ns_dtype", "auto, float64", "bfloat16"]),
+        (["optimizer.ns_steps=0"], ["optimizer.ns_steps: expected an integer ≥ 1, got 0"]),
         (["trainer.strategy=dp"], ["trainer.strategy", "'dp'", "ddp", "fsdp2"]),
         (["trainer.precision=bf17"], ["trainer.precision", "bf16-mixed"]),
         (["trainer.devices=two"], ["trainer.devices", "'two'"]),
