@@ -3,7 +3,7 @@
     muoneq_update(G, M, …)    lines 5–12: the update direction O_t of one matrix
       M ← βM + (1−β)G             line 5   (in place, ``momentum.lerp_``)
       nesterov_input(G, M, β)     line 7   M̃ = βM + (1−β)G (Nesterov), else M̃ = M
-      diag_pre(M̃, mode, ε)        line 11  eq. (diagpre_family), Algorithm 2
+      diag_pre(M̃, mode, ε)        line 11  eq. (4), Algorithm 2
       newton_schulz(M̂, K, …)      line 12  O = NS_K(M̂)      (:mod:`muoneq.newton_schulz`)
     update_parameter(X, O, …)   line 13  X ← (1 − ηλ)X − a·η·O,  a = lr_scale(shape)
 
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from muoneq.newton_schulz import newton_schulz, resolve_dtype
 
-#: DiagPre modes (eq. ``diagpre_family``); ``"none"`` is plain Muon.
+#: DiagPre modes (eq. (4)); ``"none"`` is plain Muon.
 MODES = ("none", "R", "C", "RC")
 _ALIASES = {
     "none": "none",
@@ -80,20 +80,20 @@ def canonical_mode(mode) -> str:
 
 
 def pinv_rsqrt(d: Tensor) -> Tensor:
-    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark ``rem:r_main``)."""
+    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark 3.3)."""
     return torch.where(d > 0, d.rsqrt(), 0.0)
 
 
 def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
              dtype: torch.dtype | str | None = None, out: Tensor | None = None,
              overwrite: bool = False, scratch: Tensor | None = None) -> Tensor:
-    """DiagPre (line 11, eq. ``diagpre_family``, Algorithm 2) of a matrix or a batch
+    """DiagPre (line 11, eq. (4), Algorithm 2) of a matrix or a batch
     ``(..., m, n)``:
 
         D_r = diag(rowsum(M ⊙ M) + ε),   D_c = diag(colsum(M ⊙ M) + ε)   (both from ``M``)
         RC: D_r^{-1/2} M D_c^{-1/2},   R: D_r^{-1/2} M,   C: M D_c^{-1/2},   none: M
 
-    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark ``rem:r_main``).
+    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark 3.3).
     Sums and scaling run in float32 at least (bf16 sums of squares lose too much); the result
     is written once, in ``dtype`` (default ``M``'s), into ``out`` when given — the optimizer
     fuses the cast to the Newton–Schulz dtype this way. ``overwrite`` lets the scaling happen

@@ -1,6 +1,6 @@
 """Finite-step Newton–Schulz orthogonalization, ``NS_K`` of the paper.
 
-The paper (Section 2, Theorem ``th_ns``) writes the iteration for a wide matrix
+The paper (Section 2, Theorem 3.1) writes the iteration for a wide matrix
 ``G`` (p ≤ q) as
 
     X_0 = G / ‖G‖_F,      X_{k+1} = (a·I + b·X_k X_kᵀ + c·(X_k X_kᵀ)²) X_k,
@@ -281,7 +281,7 @@ def newton_schulz_iterates(
 ) -> Iterator[Tensor]:
     """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
 
-    One pass records the whole error curve of Theorem ``th_ns`` (the spectral diagnostics use
+    One pass records the whole error curve of Theorem 3.1 (the spectral diagnostics use
     it); it performs the same operations in the same order as :func:`newton_schulz`, so the
     last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
     """

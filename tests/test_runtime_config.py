@@ -19,7 +19,7 @@ PAPER = ("experiment=cifar10_resnet18",)
 
 
 def test_experiment_pins_the_paper_cifar_table():
-    expected = {  # Table tab:resnet18_cifar10_hyperparameters (+ weight decay of the script)
+    expected = {  # Table 7 (+ weight decay of the script)
         "sgd": {"lr": 5e-2, "momentum": 0.9, "weight_decay": 1e-4},
         "adamw": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 1e-4},
         "muon": {"lr": 5e-2, "momentum": 0.9, "nesterov": False, "mode": "none"},

@@ -1,5 +1,5 @@
-"""``SpectralMonitor``: measure the pre-NS momentum during training (the paper's Figures 2, 6 and 7:
-``fig3``, ``fig:spectral_metrics``, ``fig:e_b_metrics``), without touching the trajectory.
+"""``SpectralMonitor``: measure the pre-NS momentum during training (the paper's Figures 2, 6
+and 7), without touching the trajectory.
 
 At a few chosen optimizer steps (default 1%, 10%, 50% and 100% of training) the callback rebuilds,
 for every selected weight, the matrices the optimizer has just fed to DiagPre and Newton–Schulz,

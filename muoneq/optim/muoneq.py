@@ -28,7 +28,7 @@ class MuonEq(HybridOrthogonalOptimizer):
     :mod:`muoneq.functional`, :func:`~muoneq.functional.muoneq_update` for one matrix):
 
     1. ``M ← βM + (1−β)G``; ``M̃ = βM + (1−β)G`` if ``nesterov`` else ``M``;
-    2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. ``diagpre_family``): R ``D_r^{-1/2}M̃``,
+    2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. (4)): R ``D_r^{-1/2}M̃``,
        C ``M̃D_c^{-1/2}``, RC ``D_r^{-1/2}M̃D_c^{-1/2}``, none ``M̃`` (plain Muon);
     3. ``O = NS_K(M̂)`` with ``K = ns_steps`` and the chosen coefficients, in ``ns_dtype``;
     4. ``X ← (1 − η·λ)X − a·η·O`` with ``a = 0.2·√max(m, n)`` (``lr_adjust="rms"``).

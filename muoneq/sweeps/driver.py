@@ -99,7 +99,7 @@ class Driver:
         self.me = DriverId.new(self.study_dir)
         self.stop = threading.Event()
         self.slots = device_slots(spec.launch, self.opts.workers, self.opts.devices)
-        self.validated = check_trials(spec, self.study_dir)  # before the study is created
+        check_trials(spec, self.study_dir)  # before the study is created
         self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
         self.ledger = Ledger(self.study, storage, spec, self.me, check)
