@@ -48,13 +48,15 @@ class MuonEq(HybridOrthogonalOptimizer):
         mode: DiagPre mode, one of ``"none"``, ``"R"`` (default), ``"C"``, ``"RC"``
             (case-insensitive; ``"row"``, ``"col"``, ``"rowcol"`` accepted).
         eps: stability term ``ε`` ≥ 0 added to the row/column sums of squares.
-        ns_steps: Newton–Schulz steps ``K`` ≥ 0.
+        ns_steps: Newton–Schulz steps ``K`` ≥ 1.
         ns_coefficients: ``"quintic"``, ``"taylor"``, ``"polar_express"``, ``(a, b, c)`` or a
             list of ``ns_steps`` tuples (see :mod:`muoneq.newton_schulz`).
         ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: float32 on CPU,
             bfloat16 on accelerators), a ``torch.dtype`` or its name.
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
-        lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``) or ``"none"``.
+        lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``),
+            ``"spectral_unclamped"`` (``√(m/n)``) or ``"none"`` (1); see
+            :func:`muoneq.functional.lr_scale`.
         adamw_betas, adamw_eps: AdamW settings of ``use_muon=False`` groups.
         ns_algorithm: evaluation order of the Newton–Schulz polynomial (a per-group key):
             ``"standard"`` (default; torch.optim.Muon's operations, bit for bit) or ``"gram"``
