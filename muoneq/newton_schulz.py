@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -248,8 +248,21 @@ def newton_schulz(
         raise ValueError(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
-    return run_schedule(G, resolve_schedule(normalize_coefficients(coefficients, steps), steps),
-                        resolve_dtype(dtype, G.device), algorithm=canonical_algorithm(algorithm))
+    return orthogonalizer(steps, coefficients, dtype, algorithm, device=G.device)(G)
+
+
+def orthogonalizer(steps: int = 5, coefficients="quintic", dtype: torch.dtype | str = AUTO_DTYPE,
+                   algorithm: str = "standard", *, device: torch.device | str | None = None,
+                   run: Callable[..., Tensor] | None = None) -> Callable[..., Tensor]:
+    """``NS_K`` with its settings validated once: ``orthogonalize(G, workspace=None)`` is
+    :func:`run_schedule` (or ``run``, e.g. its ``torch.compile``'d form) with the resolved
+    schedule, dtype (``"auto"`` for ``device``) and evaluation order. The one entry to
+    Newton–Schulz of :func:`newton_schulz` and of every optimizer here (once per param group,
+    not per matrix)."""
+    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
+    return functools.partial(run or run_schedule, schedule=schedule,
+                             dtype=resolve_dtype(dtype, device),
+                             algorithm=canonical_algorithm(algorithm))
 
 
 def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
