@@ -61,6 +61,13 @@ def gpt2_small(quick: bool) -> list[tuple[int, ...]]:
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
 
 
+def gpt2_block(quick: bool) -> list[tuple[int, ...]]:
+    """One block of :func:`gpt2_small`: full-size matrices timed in minutes on a 2-core CPU
+    (quick: d = 64)."""
+    d = 64 if quick else 768
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+
+
 def llama2_130m(quick: bool) -> list[tuple[int, ...]]:
     """Per block: q, k, v, o (d×d), gate and up (f×d), down (d×f); d = 768, f = 2048, 12 blocks
     (the paper's LLaMA2-130M; quick: d = 64, f = 176, 2 blocks)."""
@@ -81,6 +88,7 @@ def resnet18_filters(quick: bool) -> list[tuple[int, ...]]:
 
 MATRIX_SETS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
     "gpt2_small": gpt2_small,
+    "gpt2_block": gpt2_block,
     "llama2_130m": llama2_130m,
     "resnet18": resnet18_filters,
 }
