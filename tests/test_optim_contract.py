@@ -356,6 +356,9 @@ def test_a_refused_matrix_parameter_is_named_when_names_are_given(case):
         factory([{"params": [("decoder.bias", bias)], "use_muon": True}])
     with pytest.raises(ValueError, match=r"a parameter of shape \(10,\) is in a matrix"):
         factory([{"params": [bias], "use_muon": True}])
+    qkv = nn.Parameter(torch.randn(12, 4))
+    with pytest.raises(ValueError, match=r"^splits: .* \(parameter 'attn.qkv.weight'\)$"):
+        factory([{"params": [("attn.qkv.weight", qkv)], "splits": (4, 4, 5)}])
 
 
 @parametrize

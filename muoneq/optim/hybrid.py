@@ -171,7 +171,12 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                     "orthogonalized updates are defined for real matrices: put it in a "
                     "use_muon=False (AdamW) group"
                 )
-            layout = MatrixLayout.of(p, group)
+            try:
+                layout = MatrixLayout.of(p, group)
+            except ValueError as err:
+                if pname is None:
+                    raise
+                raise ValueError(f"{err} (parameter {pname!r})") from None
             if len(layout.blocks) > 1 and not self.stateless_direction:
                 raise ValueError(
                     f"splits/batch_dims: {name} keeps state per matrix parameter, so {which} "
