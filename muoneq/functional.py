@@ -241,7 +241,7 @@ class DirectionRule:
     Either MuonEq's two validated stages, ``orthogonalize(precondition(M̃))`` (``precondition``
     ``None`` for plain NS), or a method's own ``direction(p, M̃, state)``. ``stacked``: same-shape
     matrices go through one batched call (stateless rules only), at most ``stack_elements``
-    elements at a time.
+    elements at a time (``None``: no limit).
     """
 
     orthogonalize: Callable[..., Tensor] | None = None
@@ -249,7 +249,7 @@ class DirectionRule:
     direction: Callable[[Tensor | None, Tensor, dict | None], Tensor] | None = None
     state: Callable[[Tensor], dict] | None = None
     stacked: bool = False
-    stack_elements: int = 1 << 26
+    stack_elements: int | None = None
     workspace: Workspace | None = None
 
 
@@ -320,7 +320,8 @@ def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor]
             buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
                 (slot, i, thunk))
     for (shape, dtype, device), bucket in buckets.items():
-        per_stack = max(1, rule.stack_elements // math.prod(shape))
+        per_stack = (len(bucket) if rule.stack_elements is None
+                     else max(1, rule.stack_elements // math.prod(shape)))
         for start in range(0, len(bucket), per_stack):
             chunk = bucket[start : start + per_stack]
             stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
