@@ -1,15 +1,20 @@
-"""MuonEq as functions: Algorithm 1 of the paper for one matrix, line by line.
+"""MuonEq as functions: Algorithm 1 of the paper for one matrix, line by line, and for a
+model's matrices.
 
     muoneq_update(G, M, …)    lines 5–12: the update direction O_t of one matrix
       M ← βM + (1−β)G             line 5   (in place, ``momentum.lerp_``)
       nesterov_input(G, M, β)     line 7   M̃ = βM + (1−β)G (Nesterov), else M̃ = M
-      diag_pre(M̃, mode, ε)        line 11  eq. (diagpre_family), Algorithm 2
+      diag_pre(M̃, mode, ε)        line 11  eq. (4), Algorithm 2
       newton_schulz(M̂, K, …)      line 12  O = NS_K(M̂)      (:mod:`muoneq.newton_schulz`)
     update_parameter(X, O, …)   line 13  X ← (1 − ηλ)X − a·η·O,  a = lr_scale(shape)
 
-:class:`muoneq.MuonEq` runs these same functions for every matrix of a model (its fast paths
-pass the optional ``out=``/workspace buffers, which change where results are written, not
-what is computed). Conv filters are matrices viewed as ``(out, in·kh·kw)``
+:class:`muoneq.MuonEq`'s step runs these same functions for every matrix of a model, as
+``torch.optim.Muon.step`` runs ``muon()``: :func:`momentum_input` (lines 6–10),
+:func:`directions` (lines 11–12 for each matrix of each stored parameter, one at a time or as
+stacks of same-shape matrices: :func:`equilibrate`, then the group's validated
+Newton–Schulz, :func:`muoneq.newton_schulz.orthogonalizer`) and :func:`apply_update`
+(line 13, block by block). Their optional ``out=``/workspace buffers change where results are
+written, not what is computed. Conv filters are matrices viewed as ``(out, in·kh·kw)``
 (:func:`matrix_shape`); weights stored otherwise (transposed, expert banks, fused blocks) are
 cut into their matrices by :mod:`muoneq.layout`.
 """
@@ -17,13 +22,16 @@ cut into their matrices by :mod:`muoneq.layout`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from muoneq.newton_schulz import newton_schulz, resolve_dtype
+from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import Workspace, newton_schulz, resolve_dtype
 
-#: DiagPre modes (eq. ``diagpre_family``); ``"none"`` is plain Muon.
+#: DiagPre modes (eq. (4)); ``"none"`` is plain Muon.
 MODES = ("none", "R", "C", "RC")
 _ALIASES = {
     "none": "none",
@@ -50,7 +58,7 @@ def muoneq_update(
     eps: float = 1e-8,
     ns_steps: int = 5,
     ns_coefficients="quintic",
-    ns_dtype: torch.dtype | str = torch.bfloat16,
+    ns_dtype: torch.dtype | str = "auto",
 ) -> Tensor:
     """Algorithm 1, lines 5–12, for one m×n matrix: update ``momentum`` in place and return
     the direction ``O_t`` (in ``ns_dtype``; apply it with :func:`update_parameter`)."""
@@ -80,20 +88,20 @@ def canonical_mode(mode) -> str:
 
 
 def pinv_rsqrt(d: Tensor) -> Tensor:
-    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark ``rem:r_main``)."""
+    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark 3.3)."""
     return torch.where(d > 0, d.rsqrt(), 0.0)
 
 
 def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
              dtype: torch.dtype | str | None = None, out: Tensor | None = None,
              overwrite: bool = False, scratch: Tensor | None = None) -> Tensor:
-    """DiagPre (line 11, eq. ``diagpre_family``, Algorithm 2) of a matrix or a batch
+    """DiagPre (line 11, eq. (4), Algorithm 2) of a matrix or a batch
     ``(..., m, n)``:
 
         D_r = diag(rowsum(M ⊙ M) + ε),   D_c = diag(colsum(M ⊙ M) + ε)   (both from ``M``)
         RC: D_r^{-1/2} M D_c^{-1/2},   R: D_r^{-1/2} M,   C: M D_c^{-1/2},   none: M
 
-    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark ``rem:r_main``).
+    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark 3.3).
     Sums and scaling run in float32 at least (bf16 sums of squares lose too much); the result
     is written once, in ``dtype`` (default ``M``'s), into ``out`` when given — the optimizer
     fuses the cast to the Newton–Schulz dtype this way. ``overwrite`` lets the scaling happen
@@ -101,7 +109,7 @@ def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
     least, ``M``'s shape; allocated when not given).
     """
     mode = canonical_mode(mode)
-    dtype = M.dtype if dtype is None else resolve_dtype(dtype)
+    dtype = M.dtype if dtype is None else resolve_dtype(dtype, M.device)
     if out is None:
         out = torch.empty(M.shape, dtype=dtype, device=M.device)
     if mode == "none":
@@ -160,3 +168,172 @@ def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_deca
         if buffer.untyped_storage().data_ptr() != direction.untyped_storage().data_ptr():
             direction = buffer.copy_(direction)
     param.add_(direction, alpha=-lr * scale)
+
+
+# ----------------------------------------------------------------------------- a model's matrices
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What lines 5–13 read from one param group (the executors never see the group)."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    lr_adjust: str
+
+
+def momentum_input(grad: Tensor, momentum: Tensor, settings: UpdateSettings, *,
+                   out: Tensor) -> Tensor:
+    """Lines 6–10 into ``out``: ``M̃ = lerp(G, M, β)`` with Nesterov, else a copy of ``M``
+    (``M̃`` is scratch a direction may overwrite; the momentum buffer is state)."""
+    if settings.nesterov:
+        return nesterov_input(grad, momentum, settings.momentum, out=out)
+    return out.copy_(momentum)
+
+
+def equilibrate(m_tilde: Tensor, *, mode: str, eps: float, dtype: torch.dtype,
+                workspace: Workspace | None) -> Tensor:
+    """Line 11 as the optimizer runs it: :func:`diag_pre` of ``M̃`` (scratch, scaled in place),
+    written once in the Newton–Schulz ``dtype``; a single matrix's result and column squares
+    live in ``workspace`` (a stack, or no workspace, allocates its own)."""
+    out = scratch = None
+    if workspace is not None and m_tilde.ndim == 2:
+        out = workspace.take("balanced", m_tilde.shape, dtype, m_tilde.device)
+        if mode in ("C", "RC"):
+            scratch = workspace.take("squares", m_tilde.shape,
+                                     torch.promote_types(m_tilde.dtype, torch.float32),
+                                     m_tilde.device)
+    return diag_pre(m_tilde, mode, eps, dtype=dtype, out=out, overwrite=True, scratch=scratch)
+
+
+def apply_update(value: Tensor, direction: Tensor, layout: MatrixLayout,
+                 settings: UpdateSettings, *, start: int = 0,
+                 workspace: Workspace | None = None) -> None:
+    """Line 13 on ``value`` (the stored parameter, or rows ``start:`` of it held by this rank),
+    ``direction`` in the stored layout (a direction in another dtype is cast into the
+    workspace's ``M̃`` buffer, free by now).
+
+    Each block of the layout is updated with the shape factor of its own ``(rows, n)``, on a
+    contiguous ``(rows, in, k…)`` copy when the stored block is not one, so that it gets
+    exactly the update of the same weights stored as an ``nn.Linear``.
+    """
+    if layout.plain:
+        pieces = [(layout.matrix, value, direction)]
+    else:
+        direction = direction.reshape(value.shape)
+        pieces = [(shape, v, d) for (shape, v), (_, d) in
+                  zip(layout.pieces(value, start), layout.pieces(direction, start),
+                      strict=True)]
+    for shape, target, d in pieces:
+        work = target if target.is_contiguous() else target.contiguous()
+        buffer = None if workspace is None else workspace.take(
+            "m_tilde", work.shape, work.dtype, work.device)
+        update_parameter(work, d, lr=settings.lr, weight_decay=settings.weight_decay,
+                         scale=lr_scale(shape, settings.lr_adjust), buffer=buffer)
+        if work is not target:
+            target.copy_(work)
+
+
+@dataclass(frozen=True)
+class DirectionRule:
+    """How the directions of one param group are computed (lines 11–12).
+
+    Either MuonEq's two validated stages, ``orthogonalize(precondition(M̃))`` (``precondition``
+    ``None`` for plain NS), or a method's own ``direction(p, M̃, state)``. ``stacked``: same-shape
+    matrices go through one batched call (stateless rules only), at most ``stack_elements``
+    elements at a time (``None``: no limit).
+    """
+
+    orthogonalize: Callable[..., Tensor] | None = None
+    precondition: Callable[..., Tensor] | None = None
+    direction: Callable[[Tensor | None, Tensor, dict | None], Tensor] | None = None
+    state: Callable[[Tensor], dict] | None = None
+    stacked: bool = False
+    stack_elements: int | None = None
+    workspace: Workspace | None = None
+
+
+@dataclass
+class _Assembly:
+    """The stored-layout direction of a parameter with several blocks, while blocks arrive."""
+
+    buffer: Tensor
+    missing: int
+
+
+@dataclass
+class _CutMomentum:
+    """The blocks of the latest slot's ``M̃`` (scratch: only the latest slot's are valid)."""
+
+    slot: object = None
+    blocks: list | None = None
+
+
+def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor], None]) -> None:
+    """Directions of ``(slot, whole stored M̃ thunk)`` items; ``sink(slot, direction)``
+    receives each slot's whole direction in its stored layout.
+
+    Each ``M̃`` is cut into the blocks of its slot's layout (:meth:`MatrixLayout.matrices`),
+    each block gets its own direction, and the directions are written back in the stored
+    layout. Per matrix (with the rule's workspace), or as stacks of same-shape blocks in one
+    batched call (``rule.stacked``: one launch per Newton–Schulz product for the whole stack).
+    """
+    assembling: dict[int, _Assembly] = {}
+
+    def deliver(slot, index: int, direction: Tensor) -> None:
+        layout = slot.layout
+        if len(layout.blocks) == 1:
+            sink(slot, layout.stored_view(direction))
+            return
+        part = assembling.get(id(slot))
+        if part is None:
+            part = assembling[id(slot)] = _Assembly(
+                torch.empty(layout.stored, dtype=direction.dtype, device=direction.device),
+                len(layout.blocks))
+        layout.put(part.buffer, index, direction)  # copied now: direction may be scratch
+        part.missing -= 1
+        if part.missing == 0:
+            sink(slot, assembling.pop(id(slot)).buffer)
+
+    if not rule.stacked:
+        ws = rule.workspace
+        for slot, thunk in items:
+            state = None if rule.state is None else rule.state(slot.param)
+            for i, block in enumerate(slot.layout.matrices(thunk())):
+                if rule.direction is not None:
+                    deliver(slot, i, rule.direction(slot.param, block, state))
+                    continue
+                if rule.precondition is not None:
+                    block = rule.precondition(block, workspace=ws)
+                deliver(slot, i, rule.orthogonalize(block, workspace=ws))
+        return
+    cut = _CutMomentum()
+
+    def block_of(slot, index: int, thunk) -> Tensor:
+        if cut.slot is not slot:
+            cut.slot, cut.blocks = slot, slot.layout.matrices(thunk())
+        return cut.blocks[index]
+
+    buckets: dict[tuple, list] = {}
+    for slot, thunk in items:
+        for i, shape in enumerate(slot.layout.blocks):
+            buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
+                (slot, i, thunk))
+    for (shape, dtype, device), bucket in buckets.items():
+        per_stack = (len(bucket) if rule.stack_elements is None
+                     else max(1, rule.stack_elements // math.prod(shape)))
+        for start in range(0, len(bucket), per_stack):
+            chunk = bucket[start : start + per_stack]
+            stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
+            for j, (slot, i, thunk) in enumerate(chunk):
+                stack[j].copy_(block_of(slot, i, thunk))
+            cut.slot = cut.blocks = None
+            if rule.direction is not None:
+                found = rule.direction(None, stack, None)
+            else:
+                if rule.precondition is not None:
+                    stack = rule.precondition(stack, workspace=None)
+                found = rule.orthogonalize(stack, workspace=None)
+            del stack
+            for j, (slot, i, _) in enumerate(chunk):
+                deliver(slot, i, found[j])

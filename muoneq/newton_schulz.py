@@ -1,6 +1,6 @@
 """Finite-step Newton–Schulz orthogonalization, ``NS_K`` of the paper.
 
-The paper (Section 2, Theorem ``th_ns``) writes the iteration for a wide matrix
+The paper (Section 2, Theorem 3.1) writes the iteration for a wide matrix
 ``G`` (p ≤ q) as
 
     X_0 = G / ‖G‖_F,      X_{k+1} = (a·I + b·X_k X_kᵀ + c·(X_k X_kᵀ)²) X_k,
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -150,25 +150,38 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     return NSSchedule(spec)
 
 
+#: ``ns_dtype="auto"``: float32 on CPU (no faster in bf16 there, and more accurate), bfloat16 on
+#: accelerators (CUDA, NPU, …), the paper's setting.
+AUTO_DTYPE = "auto"
+
+
 def dtype_name(dtype) -> str:
-    """The canonical name (``"bfloat16"``, …) of an allowed ``ns_dtype``.
+    """The canonical name (``"auto"``, ``"bfloat16"``, …) of an allowed ``ns_dtype``.
 
     Param groups keep the name, not the ``torch.dtype``: ``torch.distributed.checkpoint``
     refuses dtype objects in an optimizer state dict (FSDP2 checkpoints).
     """
-    resolved = resolve_dtype(dtype)
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE:
+        return AUTO_DTYPE
+    resolved = resolve_dtype(dtype, allow_auto=True)
     return next(name for name, value in DTYPES.items() if value is resolved)
 
 
-def resolve_dtype(dtype) -> torch.dtype:
-    """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …)."""
+def resolve_dtype(dtype, device: torch.device | str | None = None, *,
+                  allow_auto: bool | None = None) -> torch.dtype:
+    """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …); ``"auto"`` is
+    float32 on a CPU ``device`` and bfloat16 on any other (it needs the ``device``)."""
+    allow_auto = device is not None if allow_auto is None else allow_auto
+    allowed = ", ".join([AUTO_DTYPE, *DTYPES] if allow_auto else DTYPES)
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {', '.join(DTYPES)}")
+            raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {allowed}")
         return dtype
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE and device is not None:
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {allowed}")
 
 
 def canonical_algorithm(name) -> str:
@@ -221,21 +234,35 @@ def newton_schulz(
     G: Tensor,
     steps: int = 5,
     coefficients="quintic",
-    dtype: torch.dtype | str = torch.bfloat16,
+    dtype: torch.dtype | str = AUTO_DTYPE,
     algorithm: str = "standard",
 ) -> Tensor:
     """Return ``NS_K(G)`` for a matrix or a batch of matrices ``(..., m, n)``.
 
-    The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype`` or its name;
-    returned in that dtype: callers cast when applying the update). ``steps=0`` returns the
-    normalized input. ``algorithm`` is the evaluation order (module docstring).
+    The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype``, its name, or
+    ``"auto"``: :data:`AUTO_DTYPE`, for ``G``'s device; returned in that dtype: callers cast
+    when applying the update). ``steps=0`` returns the normalized input. ``algorithm`` is the
+    evaluation order (module docstring).
     """
     if G.ndim < 2:
         raise ValueError(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
-    return run_schedule(G, resolve_schedule(normalize_coefficients(coefficients, steps), steps),
-                        resolve_dtype(dtype), algorithm=canonical_algorithm(algorithm))
+    return orthogonalizer(steps, coefficients, dtype, algorithm, device=G.device)(G)
+
+
+def orthogonalizer(steps: int = 5, coefficients="quintic", dtype: torch.dtype | str = AUTO_DTYPE,
+                   algorithm: str = "standard", *, device: torch.device | str | None = None,
+                   run: Callable[..., Tensor] | None = None) -> Callable[..., Tensor]:
+    """``NS_K`` with its settings validated once: ``orthogonalize(G, workspace=None)`` is
+    :func:`run_schedule` (or ``run``, e.g. its ``torch.compile``'d form) with the resolved
+    schedule, dtype (``"auto"`` for ``device``) and evaluation order. The one entry to
+    Newton–Schulz of :func:`newton_schulz` and of every optimizer here (once per param group,
+    not per matrix)."""
+    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
+    return functools.partial(run or run_schedule, schedule=schedule,
+                             dtype=resolve_dtype(dtype, device),
+                             algorithm=canonical_algorithm(algorithm))
 
 
 def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
@@ -267,7 +294,7 @@ def newton_schulz_iterates(
 ) -> Iterator[Tensor]:
     """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
 
-    One pass records the whole error curve of Theorem ``th_ns`` (the spectral diagnostics use
+    One pass records the whole error curve of Theorem 3.1 (the spectral diagnostics use
     it); it performs the same operations in the same order as :func:`newton_schulz`, so the
     last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
     """
@@ -276,7 +303,7 @@ def newton_schulz_iterates(
             f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
     schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    X, transposed = _normalized_wide(G, resolve_dtype(dtype), schedule.norm_scale)
+    X, transposed = _normalized_wide(G, resolve_dtype(dtype, G.device), schedule.norm_scale)
     yield X.mT if transposed else X
     for a, b, c in schedule.coefficients:
         X = newton_schulz_step(X, a, b, c)

@@ -72,6 +72,9 @@ RULES = {
     "free": "≥2-D parameter of another module, read as (dim 0, the rest)",
 }
 
+#: The rules whose parameters ``param_groups(no_decay=True)`` exempts from weight decay.
+NO_DECAY = ("vector", "embedding", "not_a_map")
+
 #: Names of parameters registered directly on a module that hold no linear map (lower case,
 #: searched in the last name component).
 _NOT_A_MAP = (
@@ -269,6 +272,12 @@ def route(
     split_fused: bool = False,
 ) -> list[Route]:
     """The decision for every parameter of ``model`` (see :func:`param_groups`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"param_groups: expected the model (an nn.Module), got {type(model).__name__}: "
+            "pass the model itself, param_groups(model) (its layers decide the routing), or "
+            "hand your own groups of model.named_parameters() to the optimizer"
+        )
     head_names, adamw_names = tuple(head_names), tuple(adamw_names)
     transposed, stacked = list(transposed), list(stacked)
     splits = {k: tuple(v) for k, v in (splits or {}).items()}
@@ -384,6 +393,7 @@ def param_groups(
     stacked: Iterable[str | Tensor] = (),
     splits: Mapping[str, Iterable[int]] | None = None,
     split_fused: bool = False,
+    no_decay: bool = False,
     summary: bool | Callable[[str], None] = False,
     muon_hparams: dict | None = None,
     adamw_hparams: dict | None = None,
@@ -403,6 +413,10 @@ def param_groups(
         splits: ``{pattern: row counts}``: blocks of fused weights along their outputs (in the
             ``(out, in)`` view), each equilibrated and orthogonalized on its own.
         split_fused: split the known fused layouts (Q/K/V, gate/up; module docstring).
+        no_decay: exempt 0-D/1-D tensors (biases, norm weights), embeddings and the other
+            parameters that are not linear maps (position embeddings, learned tokens) from
+            weight decay: they form a last AdamW group with ``weight_decay=0`` (what nanoGPT,
+            HF Trainer and timm do). Off by default: the paper decays every parameter.
         summary: print the per-tensor table and the totals (or pass a callable such as
             ``logger.info``).
         muon_hparams, adamw_hparams: set on the matrix groups / the AdamW group only.
@@ -412,7 +426,9 @@ def param_groups(
     (:mod:`muoneq.layout`: transposed, expert banks, splits) a group of its own with the keys
     ``transposed``, ``batch_dims`` and ``splits``. A ``name`` among the matrix hparams names
     the first matrix group; the others get it suffixed with their layout (``muon_transposed``).
-    Empty groups are left out.
+    With ``no_decay`` the exempt parameters form a last group (``weight_decay=0``, named
+    ``<adamw name>_no_decay`` when the AdamW hparams name their group). Empty groups are left
+    out.
     """
     routes = route(model, head_names=head_names, adamw_first_conv=adamw_first_conv,
                    adamw_names=adamw_names, transposed=transposed, stacked=stacked,
@@ -436,9 +452,16 @@ def param_groups(
                 group["name"] = f"{base}{i}"
         names.add(group.get("name"))
         groups.append(group)
-    other = [r.param for r in routes if r.path == "adamw"]
+    adamw = {**hparams, **(adamw_hparams or {})}
+    exempt = [r.param for r in routes if no_decay and r.path == "adamw" and r.rule in NO_DECAY]
+    other = [r.param for r in routes if r.path == "adamw" and r.rule not in
+             (NO_DECAY if no_decay else ())]
     if other:
-        groups.append({"params": other, "use_muon": False, **hparams, **(adamw_hparams or {})})
+        groups.append({"params": other, "use_muon": False, **adamw})
+    if exempt:
+        named = {"name": f"{adamw['name']}_no_decay"} if "name" in adamw else {}
+        groups.append({"params": exempt, "use_muon": False, **adamw, **named,
+                       "weight_decay": 0.0})
     if summary:
         emit = summary if callable(summary) else print
         emit(format_routes(routes) + "\n" + describe_groups(groups))

@@ -1,6 +1,6 @@
 """Independent float64 NumPy transcriptions of the paper's equations (the tests' reference).
 
-Written from the paper (Algorithm 1, eq. ``diagpre_family``, Theorem ``th_ns``) with explicit
+Written from the paper (Algorithm 1, eq. (4), Theorem 3.1) with explicit
 diagonal matrices, deliberately not sharing code with the package.
 """
 

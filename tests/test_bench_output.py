@@ -7,8 +7,9 @@ import torch
 from muoneq.benchmarks.bench_step import device_label, device_name, sig3, table
 
 
-def row(ms: float, vs_torch: float, vs_muon: float) -> dict:
-    return {"ms": ms, "vs_torch": vs_torch, "vs_muon": vs_muon, "gflops": 0.4, "of_matmul": 0.5,
+def row(ms: float, vs_torch: float, vs_muon: float, ns_dtype: str = "bfloat16") -> dict:
+    return {"ns_dtype": ns_dtype, "ms": ms, "vs_torch": vs_torch, "vs_muon": vs_muon,
+            "gflops": 0.4, "of_matmul": 0.5,
             "peak_extra_mb": 0.15, "state_bytes": 393216, "err_gaussian": 1.45e-2,
             "x_torch_gaussian": 1.0, "err_decay": 9.3e-2, "x_torch_decay": 1.0}
 
@@ -18,7 +19,8 @@ def result(quick: bool) -> dict:
     return {"repeats": 3, "quick": quick, "sets": {"gpt2_small": {
         "matrices": 8, "parameters": 98304, "ns_gflop": 0.14680064, "matmul_gflops": 0.842,
         "contenders": {"torch.optim.Muon": row(18.0, 1.0, 0.75),
-                       "Muon (ours)": row(24.0, 1.0, 1.0)},
+                       "Muon (ours)": row(24.0, 1.0, 1.0),
+                       "MuonEq-R": row(20.0, 0.8, 0.8, "float32")},
         "ddp_split": {"2": {"max_share_over_ideal": 1.0, "within_bound": True}},
     }}}
 
@@ -27,9 +29,11 @@ def test_headers_name_the_statistic_of_every_column():
     text = table(result(quick=False))
     header = next(line for line in text.splitlines() if line.startswith("| contender"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    assert columns[1] == "ms/step, median of 3"
-    assert columns[2] == "× torch, median of per-repeat ratios"
-    assert columns[3] == "× Muon (ours), median of per-repeat ratios"
+    assert columns[1] == "NS dtype"
+    assert columns[2] == "ms/step, median of 3"
+    assert columns[3] == "× torch, median of per-repeat ratios"
+    assert columns[4] == "× Muon (ours), median of per-repeat ratios"
+    assert "| MuonEq-R | float32 | 20.0 |" in text
     assert "need not equal the ratio of the two ms medians" in text
     assert "smoke" not in text
 

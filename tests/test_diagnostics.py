@@ -116,7 +116,7 @@ def test_iterates_end_at_newton_schulz_bit_for_bit(shape, dtype, coefficients):
     assert torch.equal(iterates[-1], newton_schulz(G, 5, coefficients, dtype))
 
 
-def test_error_curve_follows_the_scalar_map_of_theorem_th_ns():
+def test_error_curve_follows_the_scalar_map_of_theorem_3_1():
     """X_k = U diag(s^(k)) Vᵀ with s ← φ(s): ‖X_k − Orth(G)‖_F² = Σ (s_i^(k) − 1)²."""
     sigma = np.geomspace(1.0, 1e-3, 16)
     A, _, _ = known_spectrum(16, 40, sigma)

@@ -416,3 +416,23 @@ def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypat
     line = one_line_error(capsys.readouterr().err)
     assert "`--ntasks-per-node=1` does not match" in line and "trainer.devices (4)" in line
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+# ------------------------------------------------------------------------------ README signature
+def test_readme_signature_of_muoneq_is_the_real_one():
+    """The README's ``MuonEq(...)`` line lists exactly ``inspect.signature(MuonEq)``: the same
+    names in the same order, the same kinds (keyword-only after ``*``) and defaults."""
+    import ast
+    import inspect
+
+    from muoneq import MuonEq
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    (documented,) = re.findall(r"`MuonEq\((params, \*, [^`]*)\)`", text)
+    tree = ast.parse(f"def MuonEq({documented}): pass").body[0].args
+    real = inspect.signature(MuonEq).parameters
+    assert [a.arg for a in tree.args] == ["params"] and not tree.defaults
+    assert [a.arg for a in tree.kwonlyargs] == list(real)[1:]
+    for arg, default in zip(tree.kwonlyargs, tree.kw_defaults, strict=True):
+        assert real[arg.arg].kind is inspect.Parameter.KEYWORD_ONLY
+        assert ast.literal_eval(default) == real[arg.arg].default, arg.arg

@@ -1,4 +1,4 @@
-"""DiagPre (eq. diagpre_family) against explicit diagonal matrices."""
+"""DiagPre (eq. (4)) against explicit diagonal matrices."""
 
 import numpy as np
 import pytest

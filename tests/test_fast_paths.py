@@ -59,7 +59,7 @@ def test_mode_none_is_bitwise_torch_muon_over_a_set_of_matrices(nesterov):
     shapes = [(48, 16), (16, 16), (24, 40), (40, 24)]
     values, grads = params_and_grads(shapes, steps=4)
     ours, _ = run(lambda ps: MuonEq(ps, lr=0.02, mode="none", nesterov=nesterov,
-                                    weight_decay=0.1), values, grads)
+                                    weight_decay=0.1, ns_dtype="bfloat16"), values, grads)
     theirs, _ = run(lambda ps: torch.optim.Muon(ps, lr=0.02, nesterov=nesterov, weight_decay=0.1,
                                                 adjust_lr_fn="match_rms_adamw"), values, grads)
     for a, b in zip(ours, theirs, strict=True):
@@ -200,8 +200,11 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert result["device"] and result["quick"]
     data = result["sets"]["gpt2_small"]
     names = set(data["contenders"])
-    assert {"torch.optim.Muon", "Muon (ours)", "MuonEq-R", "MuonEq-C", "MuonEq-RC",
-            "MuonEq-R (gram)", "paper loop (R)"} <= names
+    assert {"torch.optim.Muon", "Muon (ours)", "MuonEq-R", "MuonEq-R (bfloat16)", "MuonEq-C",
+            "MuonEq-RC", "MuonEq-R (gram)", "paper loop (R)"} <= names
+    # the default ns_dtype="auto" is float32 on a CPU; the bf16 row measures the other dtype
+    assert data["contenders"]["MuonEq-R"]["ns_dtype"] == "float32"
+    assert data["contenders"]["MuonEq-R (bfloat16)"]["ns_dtype"] == "bfloat16"
     for row in data["contenders"].values():
         assert row["ms"] > 0 and row["gflops"] > 0 and row["peak_extra_mb"] >= 0
         assert 0 < row["err_gaussian"] < 0.1 and 0 < row["err_decay"] < 0.5
@@ -212,4 +215,4 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert ours["err_gaussian"] == torch_row["err_gaussian"]
     assert ours["state_bytes"] == torch_row["state_bytes"]
     assert all(d["within_bound"] for d in data["ddp_split"].values())
-    assert "| MuonEq-R |" in capsys.readouterr().out
+    assert "| MuonEq-R | float32 |" in capsys.readouterr().out

@@ -3,13 +3,13 @@
 import pytest
 import torch
 from language_helpers import FORMATS, make_documents, tiny_tiktoken_file, write_corpus
+from torch.utils.data import DataLoader
 
 from muoneq import MuonEq, param_groups
 from muoneq.cli import main as cli
 from tasks.language.base import lm_loss, pad_vocab
 from tasks.language.data import (
     PackedSequences,
-    ResumableLoader,
     SequenceSampler,
     TokenStream,
     validation_sequences,
@@ -43,7 +43,7 @@ def test_tiny_model_learns(tmp_path, fmt, arch):
     vocab = pad_vocab(load_tokenizer(tokenizer_file).n_vocab)
     model = build_model(arch, "tiny", vocab_size=vocab, max_seq_len=T)
     optimizer = MuonEq(param_groups(model, lr=2e-2, weight_decay=0.0), ns_dtype=torch.float32)
-    loader = ResumableLoader(train, SequenceSampler(len(train), 8, seed=0))
+    loader = DataLoader(train, batch_size=8, sampler=SequenceSampler(len(train), 8, seed=0))
 
     before = val_loss(model, val)
     steps = 0

@@ -1,6 +1,8 @@
 """MuonEq against the paper's equations, torch.optim.Muon and torch.optim.AdamW."""
 
 import copy
+import inspect
+import os
 
 import numpy as np
 import pytest
@@ -8,8 +10,10 @@ import torch
 from reference import QUINTIC, muoneq_ref
 from torch import nn
 
+import muoneq
 from muoneq import MuonEq, muoneq_update
 from muoneq.functional import lr_scale, update_parameter
+from muoneq.newton_schulz import resolve_dtype
 
 F64 = torch.float64
 
@@ -94,7 +98,7 @@ def test_mode_none_is_torch_muon_match_rms_adamw(nesterov, shape):
     grads = [torch.randn(shape) for _ in range(5)]
     ours, theirs = nn.Parameter(X0.clone()), nn.Parameter(X0.clone())
     opt_ours = MuonEq([ours], lr=0.02, momentum=0.95, nesterov=nesterov, mode="none",
-                      weight_decay=0.1, lr_adjust="rms")
+                      weight_decay=0.1, lr_adjust="rms", ns_dtype="bfloat16")
     opt_theirs = torch.optim.Muon([theirs], lr=0.02, momentum=0.95, nesterov=nesterov,
                                   weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     run_steps(opt_ours, [ours], [[g] for g in grads])
@@ -356,3 +360,60 @@ def test_optimizer_state_round_trips_through_torch_distributed_checkpoint(tmp_pa
         for key, value in opt.state[p].items():
             assert torch.equal(fresh.state[p][key], value)
     assert fresh.param_groups[0]["ns_dtype"] == "float32"
+
+
+def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators():
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    with pytest.raises(ValueError, match="ns_dtype: unknown dtype 'auto'; allowed: float64"):
+        resolve_dtype("auto")  # no device to decide for
+    X0, grads = torch.randn(24, 40), [torch.randn(24, 40) for _ in range(3)]
+    params = {}
+    for dtype in ("auto", "float32", "bfloat16"):
+        params[dtype] = nn.Parameter(X0.clone())
+        run_steps(MuonEq([params[dtype]], lr=0.02, ns_dtype=dtype), [params[dtype]],
+                  [[g] for g in grads])
+    assert torch.equal(params["auto"], params["float32"])
+    assert not torch.equal(params["auto"], params["bfloat16"])
+
+
+class FirstMatmul(torch.overrides.TorchFunctionMode):
+    """Records the Python stack at the first matrix product of whatever runs under it."""
+
+    PRODUCTS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm}
+
+    def __init__(self):
+        super().__init__()
+        self.stack = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.stack is None and func in self.PRODUCTS:
+            self.stack = [(frame.filename, frame.function) for frame in inspect.stack(0)]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batching", ["per_matrix", "stacked"])
+@pytest.mark.parametrize("mode", ["R", "RC"])
+def test_step_runs_the_functional_core_in_four_frames(batching, mode):
+    """From ``MuonEq.step`` to the first matmul: the step, one function of
+    ``muoneq.functional`` and Newton–Schulz (as ``torch.optim.Muon.step`` → ``muon()`` → NS),
+    at most 4 frames of this package in at most 3 files, none of them an executor."""
+    p = nn.Parameter(torch.randn(6, 4))
+    p.grad = torch.randn(6, 4)
+    opt = MuonEq([p], mode=mode, batching=batching)
+    spy = FirstMatmul()
+    with spy:
+        opt.step()
+    package = os.path.dirname(muoneq.__file__)
+    frames = []
+    for filename, function in spy.stack:
+        if filename.startswith(package):
+            frames.append((os.path.relpath(filename, package), function))
+            if function == "step":
+                break
+    assert frames[-1] == (os.path.join("optim", "hybrid.py"), "step")
+    assert len(frames) <= 4, frames
+    assert len({f for f, _ in frames}) <= 3, frames
+    assert ("functional.py", "directions") in frames
+    assert not any("executors" in f for f, _ in frames)

@@ -54,7 +54,7 @@ def test_quintic_lands_in_its_published_band():
     X = newton_schulz(torch.from_numpy(G), 5, "quintic", torch.float64).numpy()
     s = np.linalg.svd(X, compute_uv=False)
     assert s.min() > 0.6 and s.max() < 1.25
-    # singular vectors are those of G (Theorem th_ns): X = U diag(s) Vᵀ
+    # singular vectors are those of G (Theorem 3.1): X = U diag(s) Vᵀ
     U, _, Vt = np.linalg.svd(G, full_matrices=False)
     inner = U.T @ X @ Vt.T
     np.testing.assert_allclose(inner, np.diag(np.diag(inner)), atol=1e-9)
@@ -157,7 +157,7 @@ def test_gram_order_in_bfloat16_meets_the_accuracy_rule(spectrum, one_thread):
     exact = newton_schulz(G, 5, dtype=torch.float64)
 
     def error(algorithm):
-        X = newton_schulz(G.float(), 5, algorithm=algorithm).double()
+        X = newton_schulz(G.float(), 5, dtype=torch.bfloat16, algorithm=algorithm).double()
         return ((X - exact).norm() / exact.norm()).item()
 
     assert error("gram") <= 1.5 * error("standard")

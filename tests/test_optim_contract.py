@@ -16,6 +16,7 @@ with the same options, as :func:`muoneq.param_groups` routes a model).
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 import warnings
@@ -44,8 +45,11 @@ def _tensor(item) -> torch.Tensor:
     return item[1] if isinstance(item, tuple) else item
 
 
-def route(params, path: str) -> list[dict]:
-    """The param groups of ``path`` for what a test passes (tensors, named pairs or groups)."""
+def route(params, path: str) -> list[dict] | None:
+    """The param groups of ``path`` for what a test passes (tensors, named pairs or groups;
+    ``None`` is passed on, as torch's error tests pass it)."""
+    if params is None:
+        return None
     items = list(params) if not isinstance(params, torch.Tensor) else [params]
     groups = items if items and isinstance(items[0], dict) else [{"params": items}]
     routed = []
@@ -269,6 +273,92 @@ def test_generic_errors(case):
         case.make([{"params": [a]}, {"params": [a]}])
     with pytest.raises(ValueError, match="with/without names"):
         case.make([("weight", a), b])
+
+
+def _torch_error_inputs():
+    """The cases of torch's ``TestOptimRenewed.test_errors``, as
+    ``torch.testing._internal.common_optimizers.get_error_inputs_for_all_optims`` lists them on
+    CPU (copied: importing that module needs torch's test-only dependencies): ``(desc, params,
+    kwargs, error type, message regex)``."""
+    p, q = nn.Parameter(torch.randn(1, 1)), nn.Parameter(torch.randn(1, 1))
+    return [
+        ("invalid param type", p, {}, TypeError,
+         "params argument given to the optimizer should be an iterable of Tensors or dicts"),
+        ("a param group cannot have duplicate parameters", [p, p], {}, UserWarning,
+         ".*a parameter group with duplicate parameters.*"),
+        ("duplicate parameters should not occur across param groups either",
+         [{"params": p}, {"params": p}], {}, ValueError,
+         "some parameters appear in more than one parameter group"),
+        ("Tensor lr must be 1-element", None, {"lr": torch.tensor([0.001, 0.001])}, ValueError,
+         "Tensor lr must be 1-element"),
+        ("all optimizer params should be with/without names", [("weight", p), q], {},
+         ValueError,
+         "all optimizer params should be with/without names. Some param names are missing"),
+        ("all optimizer param groups should be with/without names.",
+         [{"params": [p], "lr": 1e-2}, {"params": [("weight", q)]}], {}, ValueError,
+         "all optimizer param groups should be with/without names. "
+         "cannot add param group with names to the optimizer"),
+    ]
+
+
+@parametrize
+@pytest.mark.parametrize("error", _torch_error_inputs(), ids=lambda e: e[0])
+def test_torch_error_inputs(case, error):
+    """torch's own error cases: hyper-parameters are checked before ``params`` (``params=None``
+    with a 2-element tensor lr), and the messages are torch's."""
+    _, params, kwargs, error_type, regex = error
+    expect = pytest.warns if issubclass(error_type, Warning) else pytest.raises
+    with expect(error_type, match=regex):
+        if isinstance(params, torch.Tensor):  # handed over as it is, not routed
+            case.factory(params, **{**case.hparams, **kwargs})
+        else:
+            case.make(params, **kwargs)
+
+
+TYPOS = [("momentun", "momentum"), ("betas", "adamw_betas"), ("compil", "compile"),
+         ("distribute", "distributed"), ("batchng", "batching"), ("proces_group", "process_group"),
+         ("gama", "gamma"), ("beta", "betas"), ("nesterof", "nesterov"), ("ns_step", "ns_steps")]
+
+
+@parametrize_ours
+def test_a_misspelled_keyword_gets_did_you_mean_over_every_accepted_name(case):
+    weight = nn.Parameter(torch.randn(2, 2))
+    accepted = list(inspect.signature(type(case.make([weight]))).parameters)[1:]
+    checked = [(typo, meant) for typo, meant in TYPOS if meant in accepted]
+    assert len(checked) >= 2
+    for typo, meant in checked:
+        with pytest.raises(TypeError) as caught:
+            case.make([weight], **{typo: 1})
+        assert str(caught.value).startswith(
+            f"{type(case.make([weight])).__name__}() got an unexpected keyword argument "
+            f"{typo!r}; did you mean {meant!r}? (allowed: ")
+        assert str(caught.value).endswith(f"{', '.join(accepted)})")
+
+
+@parametrize_hybrid
+def test_ns_steps_below_one_is_refused_on_the_matrix_path(case):
+    weight, bias = weight_bias()
+    if case.path == "matrix":
+        with pytest.raises(ValueError, match=r"^ns_steps: expected an integer ≥ 1, got 0$"):
+            case.make([weight, bias], ns_steps=0)
+        with pytest.raises(ValueError, match=r"^ns_steps: expected an integer ≥ 1, got -1$"):
+            case.make([{"params": [weight], "ns_steps": -1}])
+
+
+@parametrize_hybrid
+def test_a_refused_matrix_parameter_is_named_when_names_are_given(case):
+    if case.path != "matrix":
+        return
+    factory = type(case.make([nn.Parameter(torch.randn(2, 2))]))
+    bias = nn.Parameter(torch.randn(10))
+    with pytest.raises(ValueError, match=r"^\w+: 'decoder.bias' \(shape \(10,\)\) is in a "
+                                         r"matrix \(use_muon=True\) group"):
+        factory([{"params": [("decoder.bias", bias)], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"a parameter of shape \(10,\) is in a matrix"):
+        factory([{"params": [bias], "use_muon": True}])
+    qkv = nn.Parameter(torch.randn(12, 4))
+    with pytest.raises(ValueError, match=r"^splits: .* \(parameter 'attn.qkv.weight'\)$"):
+        factory([{"params": [("attn.qkv.weight", qkv)], "splits": (4, 4, 5)}])
 
 
 @parametrize
@@ -760,9 +850,11 @@ def test_a_misspelled_group_key_warns_with_did_you_mean(case):
 def test_hyper_parameters_are_stored_one_way_in_every_group(case):
     weight, bias = weight_bias()
     opt = case.make([weight, bias])
-    assert {g["ns_dtype"] for g in opt.param_groups} == {"bfloat16"}
+    assert {g["ns_dtype"] for g in opt.param_groups} == {"auto"}
     opt = case.make([weight, bias], ns_dtype=torch.float32)
     assert {g["ns_dtype"] for g in opt.param_groups} == {"float32"}
+    opt = case.make([weight, bias], ns_dtype="AUTO")
+    assert {g["ns_dtype"] for g in opt.param_groups} == {"auto"}
 
 
 def test_mode_none_is_an_error_not_plain_muon():

@@ -293,3 +293,51 @@ def test_describe_prints_one_row_per_tensor_with_its_rule(capsys):
     assert row.split()[1:5] == ["(24,", "8)", "(24,", "8)"] and "linear map: Linear" in row
     assert "matrix (Muon-type):    4 tensors, 896 parameters" in out
     assert describe(model, split_fused=True) in out
+
+
+@pytest.mark.parametrize("given", ["parameters", "named_parameters", "list"])
+def test_parameters_instead_of_the_model_get_a_one_line_error(given):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = {"parameters": model.parameters(), "named_parameters": model.named_parameters(),
+              "list": list(model.parameters())}[given]
+    with pytest.raises(TypeError) as caught:
+        param_groups(params)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("param_groups: expected the model (an nn.Module), got ")
+    assert "param_groups(model)" in message and "model.named_parameters()" in message
+
+
+def test_no_decay_exempts_biases_norms_and_embeddings_in_one_call():
+    model = TinyLM()
+    default = param_groups(model, weight_decay=0.1, adamw_hparams={"name": "adamw"})
+    assert [g.get("weight_decay") for g in default] == [0.1, 0.1]  # the paper: decay everything
+    matrix, adamw, exempt = param_groups(model, weight_decay=0.1, no_decay=True,
+                                         adamw_hparams={"name": "adamw"})
+    assert names(model, matrix) == names(model, default[0])  # matrices keep their decay
+    assert matrix["weight_decay"] == adamw["weight_decay"] == 0.1
+    assert names(model, adamw) == ["lm_head.weight"]  # the head is a linear map: decayed
+    assert exempt["weight_decay"] == 0.0 and exempt["use_muon"] is False
+    assert exempt["name"] == "adamw_no_decay"
+    assert names(model, exempt) == sorted(
+        ["embed_tokens.weight", *(f"blocks.{i}.{k}.{w}" for i in range(2)
+                                  for k, w in (("norm", "weight"), ("norm", "bias"),
+                                               ("attn", "bias"), ("mlp", "bias")))])
+    # the groups build and step: with zero gradients only weight decay moves a tensor
+    opt = MuonEq(param_groups(model, lr=0.1, weight_decay=0.5, no_decay=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = dict(model.named_parameters())
+    assert torch.equal(after["blocks.0.norm.weight"], before["blocks.0.norm.weight"])
+    assert torch.equal(after["embed_tokens.weight"], before["embed_tokens.weight"])
+    for decayed in ("lm_head.weight", "blocks.0.attn.weight"):
+        assert torch.equal(after[decayed], before[decayed] * (1 - 0.1 * 0.5))
+
+
+def test_no_decay_exempts_position_embeddings_and_tokens():
+    routes = routes_by_name(TinyViT())
+    exempt, = [g for g in param_groups(TinyViT(), no_decay=True) if g.get("weight_decay") == 0]
+    assert len(exempt["params"]) == sum(
+        r.rule in ("vector", "embedding", "not_a_map") for r in routes.values())

@@ -19,7 +19,7 @@ PAPER = ("experiment=cifar10_resnet18",)
 
 
 def test_experiment_pins_the_paper_cifar_table():
-    expected = {  # Table tab:resnet18_cifar10_hyperparameters (+ weight decay of the script)
+    expected = {  # Table 7 (+ weight decay of the script)
         "sgd": {"lr": 5e-2, "momentum": 0.9, "weight_decay": 1e-4},
         "adamw": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 1e-4},
         "muon": {"lr": 5e-2, "momentum": 0.9, "nesterov": False, "mode": "none"},
@@ -75,6 +75,20 @@ def test_every_optimizer_file_composes_and_builds(path):
     assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
 
 
+def test_no_decay_exempts_vectors_and_embeddings_from_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    groups = {}
+    for flag in ("false", "true"):
+        cfg = compose(["task=cifar10", "optimizer=muoneq_nes", "trainer.max_steps=1",
+                       f"optimizer.no_decay={flag}"])
+        opt = build_optimizer_from_config(model, cfg.optimizer)
+        groups[flag] = {g["name"]: (len(g["params"]), g["weight_decay"])
+                        for g in opt.param_groups}
+    assert groups["false"] == {"muon": (1, 0.1), "adamw": (6, 0.1)}  # the paper's setting
+    assert groups["true"] == {"muon": (1, 0.1), "adamw": (1, 0.1), "adamw_no_decay": (5, 0.0)}
+
+
 def test_every_registered_optimizer_and_task_has_a_file():
     assert {p.stem for p in (CONF / "optimizer").glob("*.yaml")} >= set(OPTIMIZERS)
     task_names = {OmegaConf.load(p).get("name", p.stem) for p in (CONF / "task").glob("*.yaml")}
@@ -87,7 +101,7 @@ def test_schema_types_come_from_the_signature():
     merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(["momentum=1"]))  # int accepted
     assert merged.momentum == 1.0 and isinstance(merged.momentum, float)
     muoneq = OmegaConf.structured(optimizer_schema("muoneq"))
-    assert muoneq.ns_dtype == "bfloat16" and muoneq.mode == "R" and muoneq.nesterov is False
+    assert muoneq.ns_dtype == "auto" and muoneq.mode == "R" and muoneq.nesterov is False
     assert "routing" in muoneq and "routing" not in schema  # routing only for hybrid methods
 
 
@@ -102,7 +116,8 @@ def test_schema_types_come_from_the_signature():
         (["optimizer=adamx"], ["optimizer=adamx", "did you mean 'adamw'", "muoneq_nes"]),
         (["optimizer.mode=X"], ["optimizer.mode", "'X'", "R", "RC"]),
         (["optimizer.momentum=1.5"], ["optimizer.momentum", "1.5"]),
-        (["optimizer.ns_dtype=float8"], ["optimizer.ns_dtype", "bfloat16"]),
+        (["optimizer.ns_dtype=float8"], ["optimizer.ns_dtype", "auto, float64", "bfloat16"]),
+        (["optimizer.ns_steps=0"], ["optimizer.ns_steps: expected an integer ≥ 1, got 0"]),
         (["trainer.strategy=dp"], ["trainer.strategy", "'dp'", "ddp", "fsdp2"]),
         (["trainer.precision=bf17"], ["trainer.precision", "bf16-mixed"]),
         (["trainer.devices=two"], ["trainer.devices", "'two'"]),

@@ -185,6 +185,8 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
     assert written.provenance.command == "muoneq train experiment=cifar10_resnet18 seed=3"
     assert len(written.provenance.git_commit or "") in (0, 40)
     assert written.provenance.world_size == 1 and len(written.provenance.fingerprint) == 16
+    assert written.optimizer.ns_dtype == "auto"
+    assert written.provenance.resolved.ns_dtype == "float32"  # what auto is on a CPU
 
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()

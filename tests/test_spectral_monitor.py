@@ -21,6 +21,8 @@ from muoneq.diagnostics import SpectralMonitor, stable_rank
 class RecordingMuonEq(MuonEq):
     """MuonEq that keeps a copy of every M̃ it feeds to DiagPre (the reference for the monitor)."""
 
+    stateless_direction = True  # still a function of M̃ alone (splits and banks allowed)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.inputs = defaultdict(list)
@@ -150,6 +152,99 @@ def test_resuming_from_a_checkpoint_measures_later_steps_once(tmp_path):
     resumed = run(ckpt_path=tmp_path / "ckpt" / "step=10.ckpt")
     assert [r["step"] for r in resumed] == ["2", "12", "20"]
     assert resumed == first  # the same trajectory, each step measured once
+
+
+class Experts(nn.Module):
+    """A ``transformers`` MoE expert bank as :func:`muoneq.param_groups` recognizes it: fused
+    gate/up ``(experts, 2f, d)`` and down ``(experts, d, f)``."""
+
+    is_transposed, has_gate, is_concatenated = False, True, True
+
+    def __init__(self, experts: int, d: int, f: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * f, d) / d**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, d, f) / f**0.5)
+
+    def forward(self, x):
+        gate, up = torch.einsum("bd,efd->bef", x, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.einsum("bef,edf->bd", F.silu(gate) * up, self.down_proj)
+
+
+class Stored(Tiny):
+    """Weights stored other than (out, in): HF GPT-2's ``Conv1D`` (transposed), a fused Q/K/V
+    ``Conv1D`` (transposed and split in three), an expert bank (one matrix per expert, gate/up
+    split in two)."""
+
+    def __init__(self):
+        from transformers.pytorch_utils import Conv1D
+
+        pl.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.attn = nn.Module()
+        self.attn.c_attn = Conv1D(nf=3 * 8, nx=6)  # stored (6, 24): Q, K, V of (8, 6) each
+        self.mlp = nn.Module()
+        self.mlp.c_fc = Conv1D(nf=12, nx=8)  # stored (8, 12): the matrix is (12, 8)
+        self.experts = Experts(2, 12, 5)
+        self.head = nn.Linear(12, 3)
+        self.losses = []
+
+    def forward(self, x):
+        q, k, v = self.attn.c_attn(x.flatten(1)[:, :6]).chunk(3, dim=-1)
+        h = torch.tanh(self.mlp.c_fc(torch.tanh(q + k * v)))
+        return self.head(torch.tanh(self.experts(h)))
+
+    def configure_optimizers(self):
+        return RecordingMuonEq(param_groups(self, lr=0.05, split_fused=True), momentum=0.9,
+                               nesterov=True, mode="R", weight_decay=0.01)
+
+
+def test_transposed_banked_and_fused_weights_are_measured_as_the_optimizer_sees_them(tmp_path):
+    """Block by block, each row's metrics are those of the very matrix the optimizer fed to
+    DiagPre at that step (recorded inside the optimizer), in its (out, in) orientation."""
+    from muoneq.diagnostics import error_decomposition
+    from muoneq.diagnostics.callback import METRICS
+
+    monitor = SpectralMonitor(modules=["attn.c_attn", "mlp.c_fc", "experts"], steps=[1, 3],
+                              modes=("none", "R", "C"), log_figures=False)
+    model = Stored()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, default_root_dir=tmp_path,
+                         logger=TensorBoardLogger(tmp_path / "tb", name="run"),
+                         callbacks=[monitor], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model, _data())
+    rows = _rows(monitor.csv_path)
+
+    shapes = {(r["module"], int(r["block"])): (int(r["m"]), int(r["n"])) for r in rows}
+    assert shapes == {
+        **{("attn.c_attn", b): (8, 6) for b in range(3)},  # Q, K, V of the (24, 6) matrix
+        ("mlp.c_fc", 0): (12, 8),  # (out, in), not the stored (8, 12)
+        **{("experts.gate_up_proj", b): (5, 12) for b in range(4)},  # 2 experts × gate, up
+        **{("experts.down_proj", b): (12, 5) for b in range(2)},
+    }
+    assert len(rows) == 2 * len(shapes) * 3
+
+    opt = trainer.optimizers[0]
+    params = {"attn.c_attn": model.attn.c_attn.weight, "mlp.c_fc": model.mlp.c_fc.weight,
+              "experts.gate_up_proj": model.experts.gate_up_proj,
+              "experts.down_proj": model.experts.down_proj}
+    for r in rows:
+        blocks = sum(1 for module, _ in shapes if module == r["module"])
+        seen = opt.inputs[params[r["module"]]]  # blocks in the optimizer's order, step by step
+        assert len(seen) == 3 * blocks
+        fed = seen[(int(r["step"]) - 1) * blocks + int(r["block"])]
+        expected = error_decomposition(fed.double(), r["mode"], 5, "quintic", torch.float64,
+                                       1e-8)[r["mode"]]
+        for metric in METRICS:
+            name = {"ns_error": "finite_step_error", "ns_rel_error": "relative_error"}.get(
+                metric, metric)
+            assert float(r[metric]) == pytest.approx(float(getattr(expected, name)),
+                                                     rel=1e-12), (r["module"], metric)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(monitor.csv_path.parent)).Reload().Tags()["scalars"]
+    assert "spectra/attn.c_attn/block2/R/condition_number" in tags
+    assert "spectra/mlp.c_fc/C/stable_rank" in tags
 
 
 def test_default_fractions_and_explicit_steps():

@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 import muoneq
 from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
 from muoneq.sweeps.storage import open_storage
+from muoneq.sweeps.validate import check_trials
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function (they start
 #: in a blink); pruning needs a learning curve: a real optimization (the trial program)
@@ -416,7 +417,7 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
                                   overrides=["trainer.max_epochs=1"],
                                   objective={"metric": "test/acc", "direction": "maximize"}))
     driver = Driver(spec, options(tmp_path, workers=2, devices=["0", "1", "2", "3"]))
-    assert driver.validated == 2  # both points compose as `muoneq train` configs
+    assert check_trials(spec, driver.study_dir) == 2  # both compose as `muoneq train` configs
     assert driver.slots == [["0", "1"], ["2", "3"]]
     point = spec.points()[1]
     argv, env, fingerprint = trial_command(spec, point, 1, Path("runs/x"), devices=["2", "3"],

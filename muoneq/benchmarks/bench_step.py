@@ -45,13 +45,12 @@ import torch
 from torch import Tensor, nn
 
 from muoneq.functional import diag_pre, lr_scale, matrix_shape
-from muoneq.newton_schulz import QUINTIC, newton_schulz, ns_flops
+from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, resolve_dtype
 from muoneq.optim import MuonEq
 from muoneq.optim.executors import balance
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
-ACCURACY_RULE = 1.5
 
 
 # ----------------------------------------------------------------------------- matrix sets
@@ -60,6 +59,13 @@ def gpt2_small(quick: bool) -> list[tuple[int, ...]]:
     (d×4d); d = 768, 12 blocks (quick: d = 64, 2 blocks)."""
     d, layers = (64, 2) if quick else (768, 12)
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
+def gpt2_block(quick: bool) -> list[tuple[int, ...]]:
+    """One block of :func:`gpt2_small`: full-size matrices timed in minutes on a 2-core CPU
+    (quick: d = 64)."""
+    d = 64 if quick else 768
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
 
 
 def llama2_130m(quick: bool) -> list[tuple[int, ...]]:
@@ -82,6 +88,7 @@ def resnet18_filters(quick: bool) -> list[tuple[int, ...]]:
 
 MATRIX_SETS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
     "gpt2_small": gpt2_small,
+    "gpt2_block": gpt2_block,
     "llama2_130m": llama2_130m,
     "resnet18": resnet18_filters,
 }
@@ -133,27 +140,39 @@ class Contender:
     name: str
     build: Callable[[list[Tensor], dict], torch.optim.Optimizer]
     mode: str  # the DiagPre mode its direction applies (accuracy reference)
+    ns_dtype: str  # the dtype its Newton–Schulz runs in on the benchmark's device
     flat: bool = False  # needs 2-D parameters (torch.optim.Muon rejects conv filters)
 
 
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
-    def muoneq(mode, **options):
-        return lambda params, hp: MuonEq(params, mode=mode, nesterov=True, **hp, **options)
+    """torch.optim.Muon and our Muon (both bf16: the same algorithm, bit for bit), MuonEq's
+    modes and paths at the default ``ns_dtype="auto"`` (float32 on CPU, bf16 on accelerators),
+    MuonEq-R in the other dtype, and the authors' loop (bf16)."""
+    auto = dtype_name(resolve_dtype("auto", device))
+    other_dtype = "bfloat16" if auto == "float32" else "float32"
+
+    def muoneq(name, mode, **options):
+        dtype = options.get("ns_dtype", auto)
+        return Contender(name, lambda params, hp: MuonEq(params, mode=mode, nesterov=True,
+                                                         **hp, **options), mode, dtype)
 
     out = [
         Contender("torch.optim.Muon", lambda params, hp: torch.optim.Muon(
-            params, nesterov=True, adjust_lr_fn="match_rms_adamw", **hp), "none", flat=True),
-        Contender("Muon (ours)", muoneq("none"), "none"),
-        Contender("MuonEq-R", muoneq("R"), "R"),
-        Contender("MuonEq-C", muoneq("C"), "C"),
-        Contender("MuonEq-RC", muoneq("RC"), "RC"),
-        Contender("MuonEq-R (gram)", muoneq("R", ns_algorithm="gram"), "R"),
-        Contender("paper loop (R)", lambda params, hp: PaperLoopMuonEq(params, **hp), "R"),
+            params, nesterov=True, adjust_lr_fn="match_rms_adamw", **hp), "none", "bfloat16",
+            flat=True),
+        muoneq("Muon (ours)", "none", ns_dtype="bfloat16"),
+        muoneq("MuonEq-R", "R"),
+        muoneq(f"MuonEq-R ({other_dtype})", "R", ns_dtype=other_dtype),
+        muoneq("MuonEq-C", "C"),
+        muoneq("MuonEq-RC", "RC"),
+        muoneq("MuonEq-R (gram)", "R", ns_algorithm="gram"),
+        Contender("paper loop (R)", lambda params, hp: PaperLoopMuonEq(params, **hp), "R",
+                  "bfloat16"),
     ]
     other = "per_matrix" if device.type != "cpu" else "stacked"
-    out.append(Contender(f"MuonEq-R ({other})", muoneq("R", batching=other), "R"))
+    out.append(muoneq(f"MuonEq-R ({other})", "R", batching=other))
     if compile_ns:
-        out.append(Contender("MuonEq-R (compiled)", muoneq("R", compile=True), "R"))
+        out.append(muoneq("MuonEq-R (compiled)", "R", compile=True))
     return out
 
 
@@ -311,6 +330,7 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
         t = times[c.name]
         ms = statistics.median(t) * 1e3
         rows[c.name] = {
+            "ns_dtype": c.ns_dtype,
             "ms": ms,
             "vs_torch": statistics.median(
                 a / b for a, b in zip(t, times["torch.optim.Muon"], strict=True)),
@@ -385,14 +405,15 @@ def table(result: dict) -> str:
                      f"{data['matrices']} matrices, {data['parameters'] / 1e6:.2g}M parameters, "
                      f"{sig3(data['ns_gflop'])} GFLOP of NS5 per step; bf16 matmul "
                      f"{sig3(data['matmul_gflops'])} GFLOP/s (median over repeats)\n")
-        lines.append(f"| contender | ms/step, median of {repeats} | × torch, median of "
-                     "per-repeat ratios | × Muon (ours), median of per-repeat ratios | NS5 GFLOP/s "
-                     "| of bf16 matmul | peak extra MB | state MB | err Gauss (× torch) "
+        lines.append(f"| contender | NS dtype | ms/step, median of {repeats} | × torch, median "
+                     "of per-repeat ratios | × Muon (ours), median of per-repeat ratios | NS5 "
+                     "GFLOP/s | of bf16 matmul | peak extra MB | state MB | err Gauss (× torch) "
                      "| err decay (× torch) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for cname, row in data["contenders"].items():
             lines.append(
-                f"| {cname} | {sig3(row['ms'])} | {row['vs_torch']:.3f} | {row['vs_muon']:.3f} | "
+                f"| {cname} | {row['ns_dtype']} | {sig3(row['ms'])} | {row['vs_torch']:.3f} | "
+                f"{row['vs_muon']:.3f} | "
                 f"{sig3(row['gflops'])} | {row['of_matmul']:.2f} | {sig3(row['peak_extra_mb'])} | "
                 f"{sig3(row['state_bytes'] / 2**20)} | {row['err_gaussian']:.2e} "
                 f"({row['x_torch_gaussian']:.2f}) | {row['err_decay']:.2e} "

@@ -2,7 +2,7 @@
 
 * :mod:`~muoneq.diagnostics.metrics` – stable rank, condition numbers ``κ``/``κ_i`` (with a rank
   tolerance), singular-value entropy, the exact polar factor (float64 SVD).
-* :mod:`~muoneq.diagnostics.ns_error` – eq. (5) (``error_decomp``: finite-step error and
+* :mod:`~muoneq.diagnostics.ns_error` – eq. (5) (finite-step error and
   preconditioning bias for none/R/C/RC), error curves over NS steps, Theorem 3.1's bound.
 * :mod:`~muoneq.diagnostics.study` – the synthetic study of the paper's Figure 1
   (``muoneq spectra``).

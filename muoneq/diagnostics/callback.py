@@ -1,16 +1,19 @@
-"""``SpectralMonitor``: measure the pre-NS momentum during training (the paper's Figures 2, 6 and 7:
-``fig3``, ``fig:spectral_metrics``, ``fig:e_b_metrics``), without touching the trajectory.
+"""``SpectralMonitor``: measure the pre-NS momentum during training (the paper's Figures 2, 6
+and 7), without touching the trajectory.
 
 At a few chosen optimizer steps (default 1%, 10%, 50% and 100% of training) the callback rebuilds,
-for every selected weight, the matrix the optimizer has just fed to DiagPre and Newton–Schulz,
+for every selected weight, the matrices the optimizer has just fed to DiagPre and Newton–Schulz,
 
     M̃ = lerp(G, M', β) = βM' + (1−β)G   (Nesterov),   M̃ = M'   (otherwise),
 
 from the gradient ``G`` (``p.grad``) and the updated momentum buffer ``M'`` (the optimizer state
-``momentum_buffer``) of the step that just finished, and runs
+``momentum_buffer``) of the step that just finished, cut into the ``(out, in·…)`` blocks the
+optimizer orthogonalizes by the parameter's :class:`muoneq.layout.MatrixLayout` (its group's
+``transposed``, ``batch_dims`` and ``splits``: a ``transformers`` ``Conv1D`` is measured as
+``(out, in)``, an expert bank expert by expert, a split fused Q/K/V block by block), and runs
 :func:`muoneq.diagnostics.error_decomposition` on float64 copies for every normalization:
 stable rank, entropy, condition number of ``S(M̃)``, the relative NS error curve over steps
-0..K and eq. (5)'s (``error_decomp``) finite-step error and bias.
+0..K and the finite-step error and bias of eq. (5).
 
 Why after the step (``on_train_batch_end``) rather than in ``on_before_optimizer_step``: Lightning
 clips gradients *after* that hook, so ``G`` seen there is not the one the optimizer uses. After the
@@ -31,6 +34,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -40,11 +44,29 @@ from torch import Tensor
 
 from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
 from muoneq.functional import MODES, canonical_mode
+from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 METRICS = ("rank", "stable_rank", "condition_number", "entropy", "ns_error", "ns_rel_error",
            "bias", "total_error")
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A measured parameter: its label (the module's name, ``module.param`` for a parameter
+    other than ``weight``), its optimizer and group, and the matrices the optimizer sees."""
+
+    label: str
+    param: Tensor
+    optimizer: torch.optim.Optimizer
+    group: dict
+    layout: MatrixLayout
+
+    def tag(self, block: int) -> str:
+        """The TensorBoard name of one block: the label, with ``/block<i>`` when there are
+        several."""
+        return self.label if len(self.layout.blocks) == 1 else f"{self.label}/block{block}"
 
 
 def _full(t: Tensor | None) -> Tensor | None:
@@ -60,10 +82,13 @@ def _ema_muon_group(opt, group) -> bool:
     return muon is not None and isinstance(opt, muon)
 
 
-def pre_ns_momentum(grad: Tensor, buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """``M̃`` from the gradient and the *updated* EMA buffer, as a float64 copy (m, n·…)."""
+def pre_ns_matrices(grad: Tensor, buffer: Tensor, momentum: float, nesterov: bool,
+                    layout: MatrixLayout) -> list[Tensor]:
+    """``M̃`` from the gradient and the *updated* EMA buffer (both in the stored layout), as
+    float64 copies of the layout's blocks, in the order of ``layout.blocks``."""
     m_tilde = grad.lerp(buffer, momentum) if nesterov else buffer
-    return m_tilde.detach().to(torch.float64, copy=True).reshape(m_tilde.shape[0], -1)
+    return [block.detach().to(torch.float64, copy=True)
+            for block in layout.matrices(m_tilde.detach())]
 
 
 class SpectralMonitor(pl.Callback):
@@ -71,8 +96,10 @@ class SpectralMonitor(pl.Callback):
 
     Args:
         modules: glob patterns (``fnmatch``) on module names of the LightningModule, e.g.
-            ``["model.layers.[0-3].attn.*", "*.mlp.down_proj"]`` or ``["*conv*"]``; each matching
-            module's ``weight`` is measured if it sits in a Muon (matrix) param group.
+            ``["model.layers.[0-3].attn.*", "*.mlp.down_proj"]`` or ``["*conv*"]``; every ≥2-D
+            parameter registered on a matching module (``weight``; an expert bank's
+            ``gate_up_proj`` and ``down_proj``; ``in_proj_weight``) is measured if it sits in a
+            Muon (matrix) param group, block by block as the optimizer sees it.
         fractions: fractions of the total optimizer steps (``trainer.max_steps``, else
             ``trainer.estimated_stepping_batches``) at which to measure; a fraction ``f`` fires
             at the first step ``s`` with ``s ≥ f·total``.
@@ -135,7 +162,7 @@ class SpectralMonitor(pl.Callback):
         self.target_steps: frozenset[int] = frozenset()
         self.total_steps = 0
         self.csv_path: Path | None = None
-        self._selected: list[tuple[str, Tensor, torch.optim.Optimizer, dict]] = []
+        self._selected: list[Watched] = []
         self._last_step = -1
 
     # ------------------------------------------------------------------ set-up
@@ -168,25 +195,31 @@ class SpectralMonitor(pl.Callback):
             )
         return int(total)
 
-    def _select(self, trainer, pl_module) -> list[tuple[str, Tensor, torch.optim.Optimizer, dict]]:
+    def _select(self, trainer, pl_module) -> list[Watched]:
         owner = {}
         for opt in trainer.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     owner[p] = (opt, group)
-        selected, skipped, names = [], [], []
+        selected, skipped, names, seen = [], [], [], set()
         for name, module in pl_module.named_modules():
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, Tensor) or weight.ndim < 2:
+            matrices = [(pname, p) for pname, p in module.named_parameters(recurse=False)
+                        if p.ndim >= 2 and id(p) not in seen]
+            if not matrices:
                 continue
             names.append(name)
             if not any(fnmatch.fnmatchcase(name, pat) for pat in self.modules):
                 continue
-            opt, group = owner.get(weight, (None, None))
-            if not _ema_muon_group(opt, group):
-                skipped.append(name)
-                continue
-            selected.append((name, weight, opt, group))
+            for pname, p in matrices:
+                label = name if pname == "weight" else f"{name}.{pname}".lstrip(".")
+                opt, group = owner.get(p, (None, None))
+                if not _ema_muon_group(opt, group):
+                    skipped.append(label)
+                    continue
+                seen.add(id(p))
+                layout = (MatrixLayout.of(p, group) if isinstance(opt, HybridOrthogonalOptimizer)
+                          else MatrixLayout(tuple(p.shape)))  # torch.optim.Muon: 2-D, plain
+                selected.append(Watched(label, p, opt, group, layout))
         if not selected:
             hint = f"; matching weights outside Muon groups: {skipped[:8]}" if skipped else ""
             raise ValueError(
@@ -211,8 +244,8 @@ class SpectralMonitor(pl.Callback):
         os.replace(tmp, self.csv_path)  # atomic: a kill never loses the rows kept
 
     def _fields(self) -> list[str]:
-        k_max = max(self._ns_steps(g) for _, _, _, g in self._selected)
-        return ["step", "fraction", "module", "m", "n", "mode", *METRICS,
+        k_max = max(self._ns_steps(w.group) for w in self._selected)
+        return ["step", "fraction", "module", "block", "m", "n", "mode", *METRICS,
                 *(f"rel_error_{k}" for k in range(k_max + 1))]
 
     def _ns_steps(self, group: dict) -> int:
@@ -231,27 +264,31 @@ class SpectralMonitor(pl.Callback):
     def measure(self, trainer: pl.Trainer, step: int) -> list[dict]:
         """Measure every selected weight now; return the rows written (empty off rank 0)."""
         rows, curves = [], defaultdict(list)
-        for name, p, opt, group in self._selected:
-            grad = _full(p.grad)
-            buffer = _full(opt.state.get(p, {}).get("momentum_buffer"))
+        for w in self._selected:
+            grad = _full(w.param.grad)
+            buffer = _full(w.optimizer.state.get(w.param, {}).get("momentum_buffer"))
             if not trainer.is_global_zero or grad is None or buffer is None:
                 continue
-            m_tilde = pre_ns_momentum(grad, buffer, group["momentum"], group.get("nesterov", False))
+            group = w.group
+            blocks = pre_ns_matrices(grad, buffer, group["momentum"],
+                                     group.get("nesterov", False), w.layout)
             K = self._ns_steps(group)
             coefficients = self.ns_coefficients or group.get("ns_coefficients", "quintic")
-            results = error_decomposition(
-                m_tilde, self.modes, K, coefficients, self.ns_dtype, self.eps, self.rtol
-            )
-            for mode, d in results.items():
-                rows.append(self._row(step, name, m_tilde.shape, d))
-                curves[mode].append(list(d.relative_curve))
+            for block, m_tilde in enumerate(blocks):
+                results = error_decomposition(
+                    m_tilde, self.modes, K, coefficients, self.ns_dtype, self.eps, self.rtol
+                )
+                for mode, d in results.items():
+                    rows.append(self._row(step, w, block, m_tilde.shape, d))
+                    curves[mode].append(list(d.relative_curve))
         if rows:
             self._write(trainer, step, rows, curves)
         return rows
 
-    def _row(self, step: int, name: str, shape, d: ModeDiagnostics) -> dict:
+    def _row(self, step: int, w: Watched, block: int, shape, d: ModeDiagnostics) -> dict:
         row = {
-            "step": step, "fraction": round(step / self.total_steps, 6), "module": name,
+            "step": step, "fraction": round(step / self.total_steps, 6), "module": w.label,
+            "block": block, "tag": w.tag(block),
             "m": shape[0], "n": shape[1], "mode": d.mode, "rank": d.rank,
             "stable_rank": d.stable_rank, "condition_number": d.condition_number,
             "entropy": d.entropy, "ns_error": d.finite_step_error,
@@ -269,14 +306,15 @@ class SpectralMonitor(pl.Callback):
         for writer in writers:
             for r in rows:
                 for metric in METRICS:
-                    writer.add_scalar(f"spectra/{r['module']}/{r['mode']}/{metric}", r[metric],
+                    writer.add_scalar(f"spectra/{r['tag']}/{r['mode']}/{metric}", r[metric],
                                       step)
         if self.log_figures and len({len(c) for cs in curves.values() for c in cs}) == 1:
             from muoneq.diagnostics.figures import training_curves
 
             fig = training_curves(
                 dict(curves), f"step {step} ({100 * step / self.total_steps:.0f}% of training), "
-                f"{len(self._selected)} modules; band: 25–75% of modules"
+                f"{sum(len(w.layout.blocks) for w in self._selected)} matrices; band: 25–75% "
+                "of matrices"
             )
             for writer in writers:
                 writer.add_figure("spectra/ns_error_curves", fig, step)

@@ -1,5 +1,5 @@
 """``muoneq spectra``: run the synthetic Newton–Schulz geometry study (the paper's
-Figure 1, ``fig1``).
+Figure 1).
 
     muoneq spectra --quick                 # small sizes, 2 seeds: about a minute on 2 CPU cores
     muoneq spectra                         # the paper's sizes 1024/4096 (GPU or many cores)

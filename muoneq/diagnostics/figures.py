@@ -1,5 +1,5 @@
 """Matplotlib figures of the spectral diagnostics, in the style of the paper's Figures 1, 2 and
-7 (LaTeX labels ``fig1``, ``fig3``, ``fig:e_b_metrics``).
+7.
 
 All functions return a ``matplotlib.figure.Figure`` built without pyplot's global state (Agg
 canvas), so they are safe in training processes and headless machines; the caller saves it or
@@ -60,7 +60,7 @@ def _mode_handles(modes) -> list[Line2D]:
 
 
 def study_fig1(curves: dict, summary: dict, family: str, spreads, sizes, modes, report_step):
-    """The paper's Figure 1 (``fig1``) for one family: top, relative error to ``Orth(S(M))``
+    """The paper's Figure 1 for one family: top, relative error to ``Orth(S(M))``
     over NS steps (colour = normalization, line style = spread); bottom, condition number of
     ``S(M)`` (none = raw).
 
@@ -95,7 +95,7 @@ def study_fig1(curves: dict, summary: dict, family: str, spreads, sizes, modes, 
 
 
 def study_decomposition(summary: dict, family: str, spreads, sizes, modes, report_step):
-    """Eq. (5) (``error_decomp``) per size: finite-step error, preconditioning bias, stable rank
+    """Eq. (5) per size: finite-step error, preconditioning bias, stable rank
     and entropy (all on linear axes)."""
     rows = (
         ("ns_error", f"‖NS{report_step}(S(M)) − Orth(S(M))‖_F", False),
@@ -119,7 +119,7 @@ def study_decomposition(summary: dict, family: str, spreads, sizes, modes, repor
 
 def study_bound(panels: list[tuple[str, dict, dict]], modes, cols: int = 2):
     """Measured relative error (solid) beside the lower bound of the paper's Theorem 3.1
-    (``th_ns``, dashed), per panel.
+    (dashed), per panel.
 
     ``panels`` holds ``(title, curves[mode], bounds[mode])``; they fill a grid ``cols`` wide.
     """
@@ -155,7 +155,7 @@ def _quartiles(xs) -> tuple[float, float]:
 
 
 def training_curves(curves: dict[str, list[list[float]]], subtitle: str):
-    """The paper's Figure 2 (``fig3``) at one training step: module-wise median with the 25–75%
+    """The paper's Figure 2 at one training step: module-wise median with the 25–75%
     band (top) and the mean (bottom) of the relative NS error over steps, one colour per
     normalization. ``subtitle`` (the step, the modules) is the title's second line."""
     fig, axes = new_figure(2, 1, width=5.6, height=2.9)

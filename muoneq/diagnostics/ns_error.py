@@ -1,14 +1,13 @@
-"""Finite-step Newton–Schulz error, its lower bound (the paper's Theorem 3.1, ``th_ns``) and
-eq. (5) (``error_decomp``).
+"""Finite-step Newton–Schulz error, its lower bound (the paper's Theorem 3.1) and
+eq. (5).
 
-For a matrix ``M`` and a normalization ``S ∈ {none, R, C, RC}`` (DiagPre, eq. (4),
-``diagpre_family``) the paper splits the distance of the update direction from the
-unpreconditioned polar factor as
+For a matrix ``M`` and a normalization ``S ∈ {none, R, C, RC}`` (DiagPre, eq. (4)) the paper
+splits the distance of the update direction from the unpreconditioned polar factor as
 
     ‖NS_K(S(M)) − Orth(M)‖_F ≤ ‖NS_K(S(M)) − Orth(S(M))‖_F + ‖Orth(S(M)) − Orth(M)‖_F
                                  (finite-step error)          (preconditioning bias)
 
-and Theorem 3.1 (``th_ns``) bounds the finite-step error from below through the spectrum of the
+and Theorem 3.1 bounds the finite-step error from below through the spectrum of the
 matrix fed to Newton–Schulz: with ``X_0 = G/α`` (α = ‖G‖_F, times the schedule's safety factor)
 and step coefficients ``(a_j, b_j, c_j)``,
 

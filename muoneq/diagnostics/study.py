@@ -1,4 +1,4 @@
-"""The synthetic study of the paper's Figure 1 (``fig1``): spectral spread, normalization and
+"""The synthetic study of the paper's Figure 1: spectral spread, normalization and
 finite-step NS error.
 
 Two families of random matrices with controlled shapes and spectral spread:
@@ -8,8 +8,8 @@ Two families of random matrices with controlled shapes and spectral spread:
 * ``scale`` – scale-imbalanced ``D₁·G·D₂`` with ``G`` standard Gaussian and diagonal scales drawn
   log-uniformly from ``[1, ρ]`` on both sides (the spread is the range ``ρ``).
 
-For every matrix and every normalization none/R/C/RC it records eq. (5) (``error_decomp``:
-finite-step error, preconditioning bias, total), the relative error curve over NS steps 0..K
+For every matrix and every normalization none/R/C/RC it records eq. (5)
+(finite-step error, preconditioning bias, total), the relative error curve over NS steps 0..K
 with Theorem 3.1's bound, and the spectral metrics of the normalized matrix (condition number
 before = mode ``none``). Results go to a run folder: ``summary.csv`` (one row per matrix ×
 mode), ``curves.csv`` (one row per step), PNG figures and TensorBoard summaries. The study

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, decay, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
@@ -63,7 +62,7 @@ class AdaMuon(HybridOrthogonalOptimizer):
         v = state["exp_avg_sq"]
         beta2, eps = group["beta2"], group["eps"]
         source = m_tilde.sign() if group["sign_momentum"] else m_tilde
-        O = newton_schulz(source, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        O = self._orthogonalizer(group, source.device)(source)
         O = O.to(torch.promote_types(p.dtype, torch.float32))
         state["step"] += 1
         v.lerp_(O.square().to(v.dtype), 1 - beta2)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from muoneq.optim.checks import Check, check_group_keys, scalar, tensor_steps
+from muoneq.optim.checks import Check, check_group_keys, closest, scalar, tensor_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +72,16 @@ class OptimizerBase(torch.optim.Optimizer):
         unknown = [k for k in hyperparameters
                    if k not in self.hyperparameters or not self.hyperparameters[k].argument]
         if unknown:
-            allowed = [k for k, h in self.hyperparameters.items() if h.argument]
+            allowed = list(inspect.signature(type(self)).parameters)[1:]  # all but params
+            hint = closest(unknown[0], allowed)
             raise TypeError(
-                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}; "
-                f"allowed: {', '.join(allowed)}"
+                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (allowed: {', '.join(allowed)})"
             )
         defaults = {k: hyperparameters.get(k, h.default) for k, h in self.hyperparameters.items()}
+        # hyper-parameters first, as torch.optim checks them before it reads params
+        self._check_values(dict(defaults))
         self._reset_caches()
         super().__init__(params, defaults)
 
@@ -96,6 +100,10 @@ class OptimizerBase(torch.optim.Optimizer):
     def _validate(self, group: dict) -> None:
         """Check every hyper-parameter of ``group`` (canonical values are written back)."""
         check_group_keys(group, self.hyperparameters, type(self).__name__)
+        self._check_values(group)
+
+    def _check_values(self, group: dict) -> None:
+        """Run each hyper-parameter's check on ``group`` and write the canonical value back."""
         for key, hyper in self.hyperparameters.items():
             if hyper.when is None or group[hyper.when]:
                 group[key] = hyper.check(key, group[key], group)

@@ -7,6 +7,7 @@ and what is allowed. :class:`muoneq.optim.base.Hyper` attaches one to each hyper
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -108,6 +109,21 @@ def check_group_keys(group: dict, known: Iterable[str], optimizer: str) -> None:
                 f"metadata); did you mean {close[0][1]!r}?",
                 UserWarning, stacklevel=5,
             )
+
+
+def closest(key: str, known: Iterable[str]) -> str | None:
+    """The accepted name ``key`` most likely misspells: one that has ``key`` as a
+    ``_``-separated part (``betas`` → ``adamw_betas``), else the nearest within two edits,
+    else difflib's closest match; ``None`` when nothing is close."""
+    known = list(known)
+    parts = [k for k in known if key.lower() in k.lower().split("_")]
+    if parts:
+        return parts[0]
+    close = sorted((edit_distance(key, k), k) for k in known)
+    if close and close[0][0] <= min(2, max(1, len(key) // 3)):
+        return close[0][1]
+    matches = difflib.get_close_matches(key, known, n=1)
+    return matches[0] if matches else None
 
 
 def edit_distance(a: str, b: str) -> int:

@@ -1,12 +1,13 @@
-"""Where each direction is computed: executors per layout, moving data only.
+"""Where each direction is computed when it is not computed here, one matrix after another:
+executors per layout, moving data only.
 
-The optimizer (:class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`) computes the momentum
-and, on one process, each matrix's direction itself (one matrix at a time, the CPU default).
-Every other layout goes through an executor, which moves data around the same :class:`Work`
-(the optimizer's ``M̃``, direction and update functions):
+The optimizer (:class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`) updates the momentum
+and, on one process, hands every matrix to :func:`muoneq.functional.directions` itself (one
+matrix at a time, the CPU default, or stacks of same-shape matrices, the accelerator default).
+The other layouts go through an executor, which moves data around a :class:`GroupUpdate` (the
+group's settings and direction rule; the executors call the functions of
+:mod:`muoneq.functional`, never the optimizer):
 
-* :func:`compute` — directions on this rank, per matrix (the CPU default) or, for stateless
-  directions, as stacks of same-shape matrices in one batched call (the accelerator default);
 * :func:`split_replicated` — replicated parameters under DDP: every matrix has one owner rank,
   balanced by FLOPs (:func:`balance`), and one ``all_gather`` gives every rank every
   direction;
@@ -16,10 +17,11 @@ Every other layout goes through an executor, which moves data around the same :c
 * :func:`gather_whole` — row-sharded parameters of methods with state of their own: every
   rank gathers whole matrices, computes every direction and keeps its rows.
 
-Every executor moves parameters in their stored layout and hands :func:`compute` whole stored
-tensors; :func:`compute` alone cuts them into the matrices the method sees and writes the
-directions back in the stored layout (:class:`muoneq.layout.MatrixLayout`: transposed storage,
-expert banks, fused blocks), so each layout is right in every execution path.
+Every executor moves parameters in their stored layout and hands
+:func:`muoneq.functional.directions` whole stored tensors; it alone cuts them into the matrices
+the method sees and writes the directions back in the stored layout
+(:class:`muoneq.layout.MatrixLayout`: transposed storage, expert banks, fused blocks), so each
+layout is right in every execution path.
 
 Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n; see
 :func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums span
@@ -40,16 +42,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muoneq.functional import (
+    DirectionRule,
+    UpdateSettings,
+    apply_update,
+    directions,
+    momentum_input,
+)
 from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import Workspace
 
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
 STACK_ELEMENTS = 1 << 26
-
-#: ``sink(slot, direction)``: receives the whole direction of one slot, in its stored layout.
-Sink = Callable[["MatrixSlot", Tensor], None]
 
 
 @dataclass(eq=False)
@@ -68,90 +75,34 @@ class MatrixSlot:
     layout: MatrixLayout
 
 
-@dataclass(eq=False)
-class Work:
-    """What an executor needs from the optimizer for one param group's step."""
+@dataclass(frozen=True)
+class GroupUpdate:
+    """One param group's update this step, as the executors need it: the settings of lines
+    5–13, the rule of its directions (lines 11–12), the dtype directions travel in, and the
+    optimizer's scratch workspace. It holds no param group and no optimizer: the executors
+    call the functions of :mod:`muoneq.functional` on it."""
 
-    #: this rank's ``M̃`` of a slot (stored layout), in scratch that is valid until the next call
-    m_tilde: Callable[[MatrixSlot], Tensor]
-    #: ``(p, M̃, state) → direction`` for one whole matrix (``p = state = None`` for a stack)
-    direction: Callable
-    #: ``X ← (1 − ηλ)X − aη·direction`` on this rank's part of a slot (stored layout)
-    apply: Sink
-    #: FLOPs of one direction of an m×n matrix (what the owners' split balances)
-    block_cost: Callable[[tuple[int, int]], float]
+    settings: UpdateSettings
+    rule: DirectionRule
     #: dtype of the directions on the wire (the Newton–Schulz dtype: nothing rounds twice)
     dtype: torch.dtype
-    #: per-parameter state of the optimizer
-    state: Callable[[Tensor], dict]
-    #: whether directions may be computed as stacks (stateless directions only)
-    stacked: bool
+    workspace: Workspace
+
+    def m_tilde(self, slot: MatrixSlot) -> Tensor:
+        """This rank's ``M̃`` of a slot (lines 6–10, stored layout), in scratch that is valid
+        until the next call."""
+        g = slot.grad
+        return momentum_input(g, slot.momentum, self.settings,
+                              out=self.workspace.take("m_tilde", g.shape, g.dtype, g.device))
 
     def whole_m_tilde(self, slot: MatrixSlot) -> Callable[[], Tensor]:
         """``M̃`` of a replicated slot (its local tensor is the whole parameter)."""
         return lambda: self.m_tilde(slot)
 
-    def cost(self, slot: MatrixSlot) -> float:
-        """FLOPs of a slot's directions: the sum over its blocks."""
-        return sum(self.block_cost(shape) for shape in slot.layout.blocks)
-
-
-def compute(items: list, work: Work, sink: Sink) -> None:
-    """Directions of ``(slot, whole stored M̃ thunk)`` items computed on this rank; ``sink``
-    receives each slot's whole direction in its stored layout.
-
-    Each ``M̃`` is cut into the blocks of its layout (:meth:`MatrixLayout.matrices`), each block
-    gets its own direction, and the directions are written back in the stored layout. Per
-    matrix, or as stacks of same-shape blocks in one batched call (``work.stacked``: one
-    launch per Newton–Schulz product for the whole stack, at most :data:`STACK_ELEMENTS`
-    elements at a time).
-    """
-    assembled: dict[int, list] = {}  # id(slot) -> [stored-layout buffer, blocks still missing]
-
-    def deliver(slot: MatrixSlot, index: int, direction: Tensor) -> None:
-        layout = slot.layout
-        blocks = len(layout.blocks)
-        if blocks == 1:
-            sink(slot, layout.stored_view(direction))
-            return
-        entry = assembled.setdefault(id(slot), [None, blocks])
-        if entry[0] is None:
-            entry[0] = torch.empty(layout.stored, dtype=direction.dtype, device=direction.device)
-        layout.put(entry[0], index, direction)  # copied now: direction may be reused scratch
-        entry[1] -= 1
-        if entry[1] == 0:
-            sink(slot, assembled.pop(id(slot))[0])
-
-    if not work.stacked:
-        for slot, thunk in items:
-            state = work.state(slot.param)
-            for i, block in enumerate(slot.layout.matrices(thunk())):
-                deliver(slot, i, work.direction(slot.param, block, state))
-        return
-    cached: list = [None, None]  # the slot whose M̃ blocks are at hand, and its blocks
-
-    def block_of(slot: MatrixSlot, index: int, thunk) -> Tensor:
-        if cached[0] is not slot:  # M̃ lives in scratch: only the latest slot's is valid
-            cached[:] = [slot, slot.layout.matrices(thunk())]
-        return cached[1][index]
-
-    buckets: dict[tuple, list] = {}
-    for slot, thunk in items:
-        for i, shape in enumerate(slot.layout.blocks):
-            buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
-                (slot, i, thunk))
-    for (shape, dtype, device), bucket in buckets.items():
-        per_stack = max(1, STACK_ELEMENTS // math.prod(shape))
-        for start in range(0, len(bucket), per_stack):
-            chunk = bucket[start : start + per_stack]
-            stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
-            for j, (slot, i, thunk) in enumerate(chunk):
-                stack[j].copy_(block_of(slot, i, thunk))
-            cached[:] = [None, None]
-            directions = work.direction(None, stack, None)
-            del stack
-            for j, (slot, i, _) in enumerate(chunk):
-                deliver(slot, i, directions[j])
+    def apply(self, slot: MatrixSlot, direction: Tensor) -> None:
+        """Line 13 on this rank's part of a slot, ``direction`` in the stored layout."""
+        apply_update(slot.value, direction, slot.layout, self.settings,
+                     start=row_offset(slot.param), workspace=self.workspace)
 
 
 def is_dtensor(t) -> bool:
@@ -242,17 +193,19 @@ def check_same_gradients(slots: Sequence[MatrixSlot], group) -> None:
         )
 
 
-def split_replicated(slots: Sequence[MatrixSlot], work: Work, group) -> None:
-    """DDP: each rank computes the directions it owns, then all ranks receive all of them
-    (gradients must be the same on every rank: :func:`check_same_gradients`)."""
+def split_replicated(slots: Sequence[MatrixSlot], update: GroupUpdate, group,
+                     costs: Sequence[float]) -> None:
+    """DDP: each rank computes the directions it owns (``costs``: each slot's FLOPs), then all
+    ranks receive all of them (gradients must be the same on every rank:
+    :func:`check_same_gradients`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    owners = balance([work.cost(s) for s in slots], world)
+    owners = balance(costs, world)
     offsets, filled = [], [0] * world
     for s, owner in zip(slots, owners, strict=True):
         offsets.append(filled[owner])
         filled[owner] += s.value.numel()
     width = max(filled)
-    device, dtype = slots[0].value.device, work.dtype
+    device, dtype = slots[0].value.device, update.dtype
     send = torch.empty(width, dtype=dtype, device=device)
     where = {id(s): (off, s.value.shape) for s, off in zip(slots, offsets, strict=True)}
 
@@ -260,28 +213,30 @@ def split_replicated(slots: Sequence[MatrixSlot], work: Work, group) -> None:
         off, shape = where[id(slot)]
         send[off : off + math.prod(shape)].view(shape).copy_(direction)
 
-    mine = [(s, work.whole_m_tilde(s)) for s, o in zip(slots, owners, strict=True) if o == rank]
-    compute(mine, work, into_send)
+    mine = [(s, update.whole_m_tilde(s)) for s, o in zip(slots, owners, strict=True)
+            if o == rank]
+    directions(mine, update.rule, into_send)
     received = torch.empty(world * width, dtype=dtype, device=device)
     _all_gather_single(received, send, group=group)
     for s, owner, off in zip(slots, owners, offsets, strict=True):
         start = owner * width + off
-        work.apply(s, received[start : start + s.value.numel()].view(s.value.shape))
+        update.apply(s, received[start : start + s.value.numel()].view(s.value.shape))
 
 
-def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) -> None:
+def gather_row_shards(slots: Sequence[MatrixSlot], update: GroupUpdate, mesh_dim: int,
+                      costs: Sequence[float]) -> None:
     """FSDP2: gather whole ``M̃`` matrices on their owners, scatter the directions' rows back.
 
     Rows are those of the stored tensor (a transposed weight's inputs, an expert bank's
     experts): the owner assembles the whole stored tensor, so the layout's blocks are cut from
-    whole matrices whatever the sharding. ``work.apply`` receives this rank's rows of each
+    whole matrices whatever the sharding. ``update.apply`` receives this rank's rows of each
     direction, shaped ``(rows, width)``. All slots share one device mesh; ``mesh_dim`` is the
-    dimension they are sharded along.
+    dimension they are sharded along; ``costs`` are each slot's FLOPs.
     """
     mesh = slots[0].param.device_mesh
     group, world = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
     rank = mesh.get_local_rank(mesh_dim)
-    owners = balance([work.cost(s) for s in slots], world)
+    owners = balance(costs, world)
     # sizes[i][r]: elements of slot i held by rank r; widths[i]: elements per stored row
     sizes, widths = [], []
     for s in slots:
@@ -310,7 +265,7 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
     send = torch.empty(sum(send_counts), dtype=carrier, device=device)
     for i, slot in enumerate(slots):
         start = send_at[i]
-        send[start : start + sizes[i][rank]].copy_(work.m_tilde(slot).reshape(-1))
+        send[start : start + sizes[i][rank]].copy_(update.m_tilde(slot).reshape(-1))
     received = torch.empty(sum(recv_counts), dtype=carrier, device=device)
     dist.all_to_all_single(received, send, recv_counts, send_counts, group=group)
     del send
@@ -324,7 +279,7 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
             return torch.cat(parts).view(slots[i].layout.stored)
         return assemble
 
-    back = torch.empty(sum(recv_counts), dtype=work.dtype, device=device)
+    back = torch.empty(sum(recv_counts), dtype=update.dtype, device=device)
     index = {id(slots[i]): i for i in mine}
 
     def into_back(slot: MatrixSlot, direction: Tensor) -> None:
@@ -336,17 +291,17 @@ def gather_row_shards(slots: Sequence[MatrixSlot], work: Work, mesh_dim: int) ->
             piece.view(length, widths[i]).copy_(rows[first : first + length])
             first += length
 
-    compute([(slots[i], whole(i)) for i in mine], work, into_back)
+    directions([(slots[i], whole(i)) for i in mine], update.rule, into_back)
 
     # 3) every rank receives its rows of every direction, grouped by owner
-    directions = torch.empty(sum(send_counts), dtype=work.dtype, device=device)
-    dist.all_to_all_single(directions, back, send_counts, recv_counts, group=group)
+    mine_rows = torch.empty(sum(send_counts), dtype=update.dtype, device=device)
+    dist.all_to_all_single(mine_rows, back, send_counts, recv_counts, group=group)
     for i, s in enumerate(slots):
         start, size = send_at[i], sizes[i][rank]
-        work.apply(s, directions[start : start + size].view(size // widths[i], widths[i]))
+        update.apply(s, mine_rows[start : start + size].view(size // widths[i], widths[i]))
 
 
-def gather_whole(slots: Sequence[MatrixSlot], work: Work) -> None:
+def gather_whole(slots: Sequence[MatrixSlot], update: GroupUpdate) -> None:
     """FSDP2, a method with state of its own: every rank computes every direction from whole
     matrices (the parameter with its gradient, ``M̃`` and the state), then keeps its rows.
     Such methods keep one state per parameter, so their layouts have one block."""
@@ -354,16 +309,16 @@ def gather_whole(slots: Sequence[MatrixSlot], work: Work) -> None:
         p = s.param
         whole_p = p.full_tensor()
         whole_p.grad = p.grad.full_tensor()
-        (m_tilde,) = s.layout.matrices(full_tensor(p, work.m_tilde(s)))
-        state = work.state(p)
+        (m_tilde,) = s.layout.matrices(full_tensor(p, update.m_tilde(s)))
+        state = update.rule.state(p)
         whole_state = {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}
-        direction = work.direction(whole_p, m_tilde, whole_state)
+        direction = update.rule.direction(whole_p, m_tilde, whole_state)
         for k, v in whole_state.items():
             if is_dtensor(state.get(k)):
                 local(state[k]).copy_(local_part(state[k], v))
             else:
                 state[k] = v
-        work.apply(s, local_part(p, s.layout.stored_view(direction)))
+        update.apply(s, local_part(p, s.layout.stored_view(direction)))
 
 
 def _offsets(sizes, owners, rank, world):

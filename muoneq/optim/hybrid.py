@@ -12,6 +12,12 @@ One optimizer object serves a whole model. Each param group is either
 
 * or an AdamW group (``use_muon=False``): :func:`muoneq.optim.adamw.adamw_update`.
 
+The step runs the functional core as ``torch.optim.Muon.step`` runs ``muon()``: the
+momentum update (line 5, one foreach call), then :func:`muoneq.functional.directions` with the
+group's :class:`~muoneq.functional.UpdateSettings` and
+:class:`~muoneq.functional.DirectionRule` (lines 6–13), every method orthogonalizing through
+the group's validated Newton–Schulz (:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
+
 A subclass declares its own hyper-parameters (:class:`~muoneq.optim.base.Hyper`), overrides
 :meth:`_direction`, and :meth:`_init_matrix_state` when it keeps state beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
@@ -19,31 +25,36 @@ the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stor
 (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
 layers).
 
-Where each direction is computed — one matrix at a time on this process (the CPU default),
-stacks of same-shape matrices (the accelerator default), the DDP split, FSDP2's row shards —
-is :mod:`muoneq.optim.executors`' business. Every path gives the one-process result.
+On one process the directions are computed one matrix at a time (the CPU default) or as
+stacks of same-shape matrices (the accelerator default); the DDP split and FSDP2's row shards
+are :mod:`muoneq.optim.executors`' business. Every path gives the one-process result.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.functional import LR_ADJUST, lr_scale, nesterov_input, update_parameter
+from muoneq.functional import LR_ADJUST, DirectionRule, UpdateSettings, directions
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Workspace,
     dtype_name,
     normalize_coefficients,
     ns_flops,
+    orthogonalizer,
     resolve_dtype,
+    run_schedule,
 )
 from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 from muoneq.optim.base import Hyper, OptimizerBase
 from muoneq.optim.checks import betas, boolean, choice, converted, decay, integer, nonnegative
-from muoneq.optim.executors import MatrixSlot, Work, local, row_offset, row_shard_dim
+from muoneq.optim.executors import GroupUpdate, MatrixSlot, local, row_shard_dim
 
 BATCHING = ("auto", "per_matrix", "stacked")
 
@@ -83,10 +94,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "momentum": Hyper(0.95, decay, when="use_muon", annotation=float),
         "nesterov": Hyper(True, boolean, when="use_muon", annotation=bool),
         "weight_decay": Hyper(0.1, nonnegative, annotation=float),
-        "ns_steps": Hyper(5, integer(0), when="use_muon", annotation=int),
+        "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
         "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
-        "ns_dtype": Hyper(torch.bfloat16, converted(dtype_name)),  # one spelling in every group
+        # "auto": float32 on CPU, bfloat16 on accelerators; one spelling in every group
+        "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
         "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
         "adamw_betas": Hyper((0.9, 0.95), betas),
         "adamw_eps": Hyper(1e-8, nonnegative, annotation=float),
@@ -130,6 +142,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     def _reset_caches(self) -> None:
         self._checked_same_gradients = False
         self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
+        self._compiled = None  # a torch.compile'd run_schedule (MuonEq(compile=True))
+        self._orthogonalizers: dict[tuple, Callable[..., Tensor]] = {}
 
     @property
     def workspace_bytes(self) -> int:
@@ -141,26 +155,33 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if not group["use_muon"]:
             return
         name = type(self).__name__
-        for p in group["params"]:
+        names = group.get("param_names") or [None] * len(group["params"])
+        for p, pname in zip(group["params"], names, strict=True):
+            which = f"{pname!r} (shape {tuple(p.shape)})" if pname else \
+                f"a parameter of shape {tuple(p.shape)}"
             if p.ndim < 2:
                 raise ValueError(
-                    f"{name}: a parameter of shape {tuple(p.shape)} is in a matrix "
-                    "(use_muon=True) group; 0-D and 1-D tensors must go to a use_muon=False "
-                    "(AdamW) group — muoneq.param_groups(model) routes them"
+                    f"{name}: {which} is in a matrix (use_muon=True) group; 0-D and 1-D "
+                    "tensors must go to a use_muon=False (AdamW) group — "
+                    "muoneq.param_groups(model) routes them"
                 )
             if p.is_complex():
                 raise ValueError(
-                    f"{name}: a complex parameter of shape {tuple(p.shape)} is in a matrix "
-                    "(use_muon=True) group; orthogonalized updates are defined for real "
-                    "matrices: put it in a use_muon=False (AdamW) group"
+                    f"{name}: complex {which} is in a matrix (use_muon=True) group; "
+                    "orthogonalized updates are defined for real matrices: put it in a "
+                    "use_muon=False (AdamW) group"
                 )
-            layout = MatrixLayout.of(p, group)
+            try:
+                layout = MatrixLayout.of(p, group)
+            except ValueError as err:
+                if pname is None:
+                    raise
+                raise ValueError(f"{err} (parameter {pname!r})") from None
             if len(layout.blocks) > 1 and not self.stateless_direction:
                 raise ValueError(
-                    f"splits/batch_dims: {name} keeps state per matrix parameter, so a "
-                    f"parameter of shape {tuple(p.shape)} must be one matrix (got "
-                    f"{layout.describe()}); split fused weights with MuonEq or Muon, or leave "
-                    "splits=None and batch_dims=0"
+                    f"splits/batch_dims: {name} keeps state per matrix parameter, so {which} "
+                    f"must be one matrix (got {layout.describe()}); split fused weights with "
+                    "MuonEq or Muon, or leave splits=None and batch_dims=0"
                 )
 
     # ----------------------------------------------------------------- state
@@ -192,6 +213,26 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         """FLOPs of one direction of a ``shape`` matrix (balances the split between ranks)."""
         return ns_flops(shape, group["ns_steps"])
 
+    def _orthogonalizer(self, group: dict, device: torch.device) -> Callable[..., Tensor]:
+        """The group's Newton–Schulz, validated once per setting (not per matrix and step):
+        ``orthogonalize(G, workspace=None)``, :func:`muoneq.newton_schulz.orthogonalizer` of
+        the group's ``ns_steps``, ``ns_coefficients``, ``ns_dtype`` (on ``device``) and
+        ``ns_algorithm``. Every method here orthogonalizes through it."""
+        key = (group["ns_steps"], group["ns_coefficients"], group["ns_dtype"],
+               group.get("ns_algorithm", "standard"), torch.device(device).type)
+        found = self._orthogonalizers.get(key)
+        if found is None:
+            found = self._orthogonalizers[key] = orthogonalizer(
+                *key[:4], device=device, run=self._compiled or run_schedule)
+        return found
+
+    def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
+        """How the group's directions are computed: the method's own :meth:`_direction`
+        (MuonEq's stages override this)."""
+        return DirectionRule(direction=functools.partial(self._direction, group=group),
+                             state=self.state.__getitem__, stacked=stacked,
+                             stack_elements=executors.STACK_ELEMENTS, workspace=self._workspace)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step: Algorithm 1 for every matrix group, AdamW for the others; ``closure`` is
@@ -210,67 +251,36 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             torch._foreach_lerp_([s.momentum for s in slots], [s.grad for s in slots],
                                  1 - group["momentum"])  # line 5: M ← βM + (1−β)G
             replicated = [s for s in slots if row_shard_dim(s.param) is None]
-            work = self._work(group, replicated or slots)
+            update = self._update(group, replicated or slots)
             split = self._split_group() if replicated else None
             if split is None:  # lines 6–13 for every matrix, on this process
-                executors.compute([(s, work.whole_m_tilde(s)) for s in replicated], work,
-                                  work.apply)
+                directions([(s, update.whole_m_tilde(s)) for s in replicated], update.rule,
+                           update.apply)
             else:
                 if not self._checked_same_gradients:
                     executors.check_same_gradients(replicated, split)
                     self._checked_same_gradients = True
-                executors.split_replicated(replicated, work, split)
+                executors.split_replicated(replicated, update, split,
+                                           self._costs(replicated, group))
             self._step_row_shards([s for s in slots if row_shard_dim(s.param) is not None],
                                   group)
         return loss
 
-    def _m_tilde(self, slot: MatrixSlot, group: dict) -> Tensor:
-        """This rank's ``M̃`` of a slot (lines 6–10), in the workspace: consume it before the
-        next call."""
-        g = slot.grad
-        out = self._workspace.take("m_tilde", g.shape, g.dtype, g.device)
-        if group["nesterov"]:
-            return nesterov_input(g, slot.momentum, group["momentum"], out=out)
-        return out.copy_(slot.momentum)
-
-    def _apply(self, slot: MatrixSlot, direction: Tensor, group: dict) -> None:
-        """Line 13 on this rank's part of the parameter, ``direction`` in the stored layout (a
-        direction in another dtype is cast into the ``M̃`` buffer, free by now).
-
-        Each block of the layout is updated with the shape factor of its own ``(rows, n)``, on
-        a contiguous ``(rows, in, k…)`` copy when the stored block is not one, so that it gets
-        exactly the update of the same weights stored as an ``nn.Linear``.
-        """
-        value, layout = slot.value, slot.layout
-        if layout.plain:
-            pieces = [(layout.matrix, value, direction)]
-        else:
-            start, direction = row_offset(slot.param), direction.reshape(value.shape)
-            pieces = [(shape, v, d) for (shape, v), (_, d) in
-                      zip(layout.pieces(value, start), layout.pieces(direction, start),
-                          strict=True)]
-        for shape, target, d in pieces:
-            work = target if target.is_contiguous() else target.contiguous()
-            update_parameter(
-                work, d, lr=group["lr"], weight_decay=group["weight_decay"],
-                scale=lr_scale(shape, group["lr_adjust"]),
-                buffer=self._workspace.take("m_tilde", work.shape, work.dtype, work.device),
-            )
-            if work is not target:
-                target.copy_(work)
-
-    def _work(self, group: dict, slots: list[MatrixSlot]) -> Work:
+    def _update(self, group: dict, slots: list[MatrixSlot]) -> GroupUpdate:
+        """What the functional core and the executors need of ``group`` this step."""
+        device = slots[0].value.device
         stacked = self.stateless_direction and (
-            self.batching == "stacked" or (self.batching == "auto" and bool(slots)
-                                           and slots[0].value.device.type != "cpu"))
-        return Work(
-            m_tilde=lambda s: self._m_tilde(s, group),
-            direction=lambda p, m_tilde, state: self._direction(p, m_tilde, state, group),
-            apply=lambda s, direction: self._apply(s, direction, group),
-            block_cost=lambda shape: self._direction_flops(shape, group),
-            dtype=resolve_dtype(group["ns_dtype"]), state=self.state.__getitem__,
-            stacked=stacked,
-        )
+            self.batching == "stacked" or (self.batching == "auto" and device.type != "cpu"))
+        settings = UpdateSettings(lr=group["lr"], weight_decay=group["weight_decay"],
+                                  momentum=group["momentum"], nesterov=group["nesterov"],
+                                  lr_adjust=group["lr_adjust"])
+        return GroupUpdate(settings, self._rule(group, device, stacked),
+                           resolve_dtype(group["ns_dtype"], device), self._workspace)
+
+    def _costs(self, slots: list[MatrixSlot], group: dict) -> list[float]:
+        """FLOPs of each slot's directions (the sum over its blocks): what owners balance."""
+        return [sum(self._direction_flops(shape, group) for shape in s.layout.blocks)
+                for s in slots]
 
     def _split_group(self):
         """The process group to split replicated matrices over, ``None`` to compute them here."""
@@ -293,8 +303,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         for s in slots:
             by_mesh.setdefault((id(s.param.device_mesh), row_shard_dim(s.param)), []).append(s)
         for (_, dim), part in by_mesh.items():
-            work = self._work(group, part)
+            update = self._update(group, part)
             if self.stateless_direction:
-                executors.gather_row_shards(part, work, dim)
+                executors.gather_row_shards(part, update, dim, self._costs(part, group))
             else:
-                executors.gather_whole(part, work)
+                executors.gather_whole(part, update)

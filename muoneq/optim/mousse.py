@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, integer, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
@@ -119,8 +118,6 @@ class Mousse(HybridOrthogonalOptimizer):
         scale_L = state["lambda_L"].pow(-group["alpha"]).unsqueeze(1)
         scale_R = state["lambda_R"].pow(-group["alpha"]).unsqueeze(0)
         whitened = scale_L * (Q_L.T @ m_tilde.to(L.dtype) @ Q_R) * scale_R
-        O = newton_schulz(
-            whitened, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"]
-        ).to(L.dtype)
+        O = self._orthogonalizer(group, whitened.device)(whitened).to(L.dtype)
         U = Q_L @ (scale_L * O * scale_R) @ Q_R.T
         return U.mul_(O.norm() / U.norm().clamp(min=torch.finfo(U.dtype).tiny))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import choice, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
@@ -70,7 +69,7 @@ class MuonPlus(HybridOrthogonalOptimizer):
     }
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        U = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        U = self._orthogonalizer(group, m_tilde.device)(m_tilde)
         U = U.to(torch.promote_types(U.dtype, torch.float32))
         for normalize in _STEPS[group["norm_mode"]]:
             U = normalize(U, group["norm_eps"])

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from muoneq.functional import canonical_mode, diag_pre
-from muoneq.newton_schulz import (
-    canonical_algorithm,
-    ns_flops,
-    resolve_dtype,
-    resolve_schedule,
-    run_schedule,
-)
+from muoneq.functional import DirectionRule, canonical_mode, equilibrate
+from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
+from muoneq.optim import executors
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import converted, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
@@ -28,7 +24,7 @@ class MuonEq(HybridOrthogonalOptimizer):
     :mod:`muoneq.functional`, :func:`~muoneq.functional.muoneq_update` for one matrix):
 
     1. ``M ← βM + (1−β)G``; ``M̃ = βM + (1−β)G`` if ``nesterov`` else ``M``;
-    2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. ``diagpre_family``): R ``D_r^{-1/2}M̃``,
+    2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. (4)): R ``D_r^{-1/2}M̃``,
        C ``M̃D_c^{-1/2}``, RC ``D_r^{-1/2}M̃D_c^{-1/2}``, none ``M̃`` (plain Muon);
     3. ``O = NS_K(M̂)`` with ``K = ns_steps`` and the chosen coefficients, in ``ns_dtype``;
     4. ``X ← (1 − η·λ)X − a·η·O`` with ``a = 0.2·√max(m, n)`` (``lr_adjust="rms"``).
@@ -48,12 +44,15 @@ class MuonEq(HybridOrthogonalOptimizer):
         mode: DiagPre mode, one of ``"none"``, ``"R"`` (default), ``"C"``, ``"RC"``
             (case-insensitive; ``"row"``, ``"col"``, ``"rowcol"`` accepted).
         eps: stability term ``ε`` ≥ 0 added to the row/column sums of squares.
-        ns_steps: Newton–Schulz steps ``K`` ≥ 0.
+        ns_steps: Newton–Schulz steps ``K`` ≥ 1.
         ns_coefficients: ``"quintic"``, ``"taylor"``, ``"polar_express"``, ``(a, b, c)`` or a
             list of ``ns_steps`` tuples (see :mod:`muoneq.newton_schulz`).
-        ns_dtype: dtype of the Newton–Schulz iteration (a ``torch.dtype`` or its name).
+        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: float32 on CPU,
+            bfloat16 on accelerators), a ``torch.dtype`` or its name.
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
-        lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``) or ``"none"``.
+        lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``),
+            ``"spectral_unclamped"`` (``√(m/n)``) or ``"none"`` (1); see
+            :func:`muoneq.functional.lr_scale`.
         adamw_betas, adamw_eps: AdamW settings of ``use_muon=False`` groups.
         ns_algorithm: evaluation order of the Newton–Schulz polynomial (a per-group key):
             ``"standard"`` (default; torch.optim.Muon's operations, bit for bit) or ``"gram"``
@@ -98,24 +97,28 @@ class MuonEq(HybridOrthogonalOptimizer):
         """Newton–Schulz in the group's order plus DiagPre's ~4mn."""
         return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
 
+    def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
+        """Lines 11–12 as two stages the functional core runs itself, ``NS_K`` after
+        :func:`~muoneq.functional.equilibrate` (a subclass that replaces :meth:`_direction`
+        is called through it instead)."""
+        if type(self)._direction is not MuonEq._direction:
+            return super()._rule(group, device, stacked)
+        orthogonalize = self._orthogonalizer(group, device)
+        precondition = functools.partial(equilibrate, mode=group["mode"], eps=group["eps"],
+                                         dtype=orthogonalize.keywords["dtype"])
+        return DirectionRule(orthogonalize, precondition, stacked=stacked,
+                             stack_elements=executors.STACK_ELEMENTS,
+                             workspace=None if self._compiled else self._workspace)
+
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack.
+        """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
+        (the stages of :meth:`_rule`, for subclasses that build on them).
 
         DiagPre writes its result straight in ``ns_dtype``; a single matrix's temporaries live
         in the optimizer's workspace (a stack allocates its own).
         """
-        dtype = resolve_dtype(group["ns_dtype"])
-        schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
         ws = self._workspace if m_tilde.ndim == 2 and self._compiled is None else None
-        out = scratch = None
-        if ws is not None:
-            out = ws.take("balanced", m_tilde.shape, dtype, m_tilde.device)
-            if group["mode"] in ("C", "RC"):
-                scratch = ws.take("squares", m_tilde.shape,
-                                  torch.promote_types(m_tilde.dtype, torch.float32),
-                                  m_tilde.device)
-        balanced = diag_pre(m_tilde, group["mode"], group["eps"], dtype=dtype, out=out,
-                            overwrite=True, scratch=scratch)
-        orthogonalize = self._compiled or run_schedule
-        return orthogonalize(balanced, schedule, dtype, workspace=ws,
-                             algorithm=group["ns_algorithm"])
+        orthogonalize = self._orthogonalizer(group, m_tilde.device)
+        balanced = equilibrate(m_tilde, mode=group["mode"], eps=group["eps"],
+                               dtype=orthogonalize.keywords["dtype"], workspace=ws)
+        return orthogonalize(balanced, workspace=ws)

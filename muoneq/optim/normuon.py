@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import newton_schulz
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
@@ -56,7 +55,7 @@ class NorMuon(HybridOrthogonalOptimizer):
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         v = state["second_moment"]
         eps = group["eps"]
-        O = newton_schulz(m_tilde, group["ns_steps"], group["ns_coefficients"], group["ns_dtype"])
+        O = self._orthogonalizer(group, m_tilde.device)(m_tilde)
         O = O.to(torch.promote_types(p.dtype, torch.float32))
         v.lerp_(O.square().mean(dim=1, keepdim=True).to(v.dtype), 1 - group["beta2"])
         normalized = O / (v.to(O.dtype).sqrt() + eps)

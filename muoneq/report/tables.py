@@ -182,7 +182,7 @@ def build_table(runs: list[dict], spec: TableSpec, axes: Sequence[str], objectiv
 
 
 def _edge_notes(row_values, group, selected, candidates, select_axes) -> list[str]:
-    """The grid must bracket each optimizer's best value (ANCHORS.md): flag edge choices."""
+    """The grid must bracket each optimizer's best value: flag edge choices."""
     notes = []
     for axis in select_axes:
         grid = sorted({c.values[axis] for c in candidates if isinstance(c.values[axis],

@@ -174,7 +174,7 @@ class TrainerConfig:
 @dataclass
 class SpectraConfig:
     """Spectral diagnostics of the pre-NS momentum during training: the paper's Figures 2 and 7
-    (``fig3``, ``fig:e_b_metrics``; :class:`muoneq.diagnostics.SpectralMonitor`; CSV
+    (:class:`muoneq.diagnostics.SpectralMonitor`; CSV
     ``spectra.csv`` and TensorBoard ``spectra/*`` in the run's log folder)."""
 
     enabled: bool = False

@@ -14,7 +14,10 @@ names the key. Orthogonalized (hybrid) optimizers also take the routing keys:
 * ``adamw_names``: extra substrings of parameter names sent to AdamW;
 * ``split_fused``: equilibrate and orthogonalize the blocks of fused projections separately
   (Q/K/V in one weight, gate and up in one weight; off by default, as the paper's authors ran
-  them; :func:`muoneq.param_groups`).
+  them; :func:`muoneq.param_groups`);
+* ``no_decay``: no weight decay on biases, norms, embeddings and the other tensors that are not
+  linear maps (nanoGPT's, HF Trainer's and timm's habit; off by default: the paper decays every
+  parameter).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ ROUTING_PRESETS: dict[Routing, dict] = {
 }
 
 #: Keys of the optimizer section that are not constructor arguments.
-RUNTIME_KEYS = ("name", "routing", "adamw_names", "split_fused")
+RUNTIME_KEYS = ("name", "routing", "adamw_names", "split_fused", "no_decay")
 
 
 def _schema_field(annotation: Any, default: Any) -> tuple[Any, dataclasses.Field]:
@@ -97,6 +100,7 @@ def optimizer_schema(name: str) -> type:
         fields.append(("routing", Routing, dataclasses.field(default=Routing.default)))
         fields.append(("adamw_names", list[str], dataclasses.field(default_factory=list)))
         fields.append(("split_fused", bool, dataclasses.field(default=False)))
+        fields.append(("no_decay", bool, dataclasses.field(default=False)))
     return dataclasses.make_dataclass(f"OptimizerConfig_{name}", fields)
 
 
@@ -144,7 +148,8 @@ def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> tor
     hparams = optimizer_hparams(cfg)
     if name in OPTIMIZERS and OPTIMIZERS[name].hybrid:
         groups = param_groups(model, muon_hparams={"name": "muon"},
-                              adamw_hparams={"name": "adamw"}, **routing_options(cfg))
+                              adamw_hparams={"name": "adamw"},
+                              no_decay=bool(cfg.get("no_decay", False)), **routing_options(cfg))
         return build_optimizer(name, groups, **hparams)
     return build_optimizer(name, [{"params": list(model.parameters()), "name": name}], **hparams)
 

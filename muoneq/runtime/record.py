@@ -183,8 +183,10 @@ def git_commit() -> str | None:
     return _git("rev-parse", "HEAD")
 
 
-def session(argv: list[str] | None = None) -> dict:
-    """Who runs this session: package version, git commit, command line, host, start time."""
+def session(argv: list[str] | None = None, resolved: dict | None = None) -> dict:
+    """Who runs this session: package version, git commit, command line, host, start time, and
+    what the config's ``auto`` values became on its machine (``resolved``, e.g. the
+    ``ns_dtype`` Newton–Schulz ran in)."""
     import lightning
 
     status = _git("status", "--porcelain", "--untracked-files=no")
@@ -198,6 +200,7 @@ def session(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "torch": str(torch.__version__),
         "lightning": lightning.__version__,
+        **({"resolved": resolved} if resolved else {}),
     }
 
 
@@ -208,21 +211,22 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size: int) -> None:
-    """``config.yaml`` of a run that starts now."""
+def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size: int,
+              auto: dict | None = None) -> None:
+    """``config.yaml`` of a run that starts now (``auto``: what ``auto`` values resolved to)."""
     config = resolved(cfg)
-    provenance = {**session(argv), "fingerprint": fingerprint(config), "world_size": world_size,
-                  "resumed": []}
+    provenance = {**session(argv, auto), "fingerprint": fingerprint(config),
+                  "world_size": world_size, "resumed": []}
     _write(run_dir, {**config, "provenance": provenance})
 
 
 def add_session(run_dir: Path, record: dict, cfg: DictConfig, argv: list[str] | None,
-                checkpoint: Path) -> None:
+                checkpoint: Path, auto: dict | None = None) -> None:
     """Record a session that continues the run from ``checkpoint``. The run config stays as it
     was; keys that cannot change the result and were changed are listed in the entry."""
     recorded = flatten({k: v for k, v in record.items() if k not in RECORD_KEYS})
     changed = differences(recorded, flatten(resolved(cfg)))
-    entry = {**session(argv), "from_checkpoint": checkpoint.name, "changed": changed}
+    entry = {**session(argv, auto), "from_checkpoint": checkpoint.name, "changed": changed}
     provenance = dict(record.get("provenance") or {})
     provenance["resumed"] = [*(provenance.get("resumed") or []), entry]
     _write(run_dir, {**record, "provenance": provenance})

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import muoneq
 from muoneq.errors import Interrupted
+from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.runtime import record
 from muoneq.runtime.callbacks import LastValidation, StepStats
 from muoneq.runtime.config import Resume
@@ -87,6 +88,15 @@ def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) ->
     writer = trainer.logger.experiment._get_file_writer()
     for summary in hparams(params, dict.fromkeys(metrics, 0.0)):
         writer.add_summary(summary)
+
+
+def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
+    """What the config's ``auto`` values are on this machine: the dtype Newton–Schulz runs in
+    (``optimizer.ns_dtype=auto``: float32 on CPU, bfloat16 on accelerators)."""
+    if "ns_dtype" not in cfg.optimizer:
+        return {}
+    dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)
+    return {"ns_dtype": dtype_name(dtype)}
 
 
 def _clear_attempt(run_dir: Path) -> None:
@@ -176,12 +186,13 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         record.check_same_run(run_dir, previous, cfg, finished=False,
                               world_size=trainer.world_size)
     if trainer.is_global_zero:
+        auto = _auto_values(cfg, trainer)
         if checkpoint is None:
             _clear_attempt(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            record.write_new(run_dir, cfg, argv, trainer.world_size)
+            record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
         else:
-            record.add_session(run_dir, previous, cfg, argv, checkpoint)
+            record.add_session(run_dir, previous, cfg, argv, checkpoint, auto)
             print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
         summary = ["metrics/best", "metrics/final"] if module.monitor else []
         if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view

@@ -102,7 +102,7 @@ class Driver:
         self.me = DriverId.new(self.study_dir)
         self.stop = threading.Event()
         self.slots = device_slots(spec.launch, self.opts.workers, self.opts.devices)
-        self.validated = preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
+        preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
         self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
         self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)

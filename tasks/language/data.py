@@ -6,8 +6,8 @@
   ``T``, targets shifted by one), so every token of the stream is predicted exactly once,
   documents packed back to back with their ``<|endoftext|>`` separators.
 * :class:`SequenceSampler`: a deterministic order from ``(seed, epoch)``, each rank a disjoint
-  slice, and a ``state_dict`` that restarts mid-epoch on the next unseen batch;
-  :class:`ResumableLoader` hands it out and is what Lightning checkpoints.
+  slice, started mid-epoch on the next unseen batch when a run resumes (the data module
+  passes the position it saved in the checkpoint).
 * :func:`validation_sequences` + :class:`ShardedEvalSampler`: the first ``budget`` predicted
   tokens of the validation split (default 10,485,760), identical for every optimizer, split
   over ranks without padding, so the mean loss is over exactly ``budget`` tokens.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from tasks.language.shards import open_shard, read_header
 
@@ -104,10 +104,9 @@ class SequenceSampler(DistributedSampler):
     Epoch ``e`` draws a permutation from ``(seed, e)`` (or keeps the natural order with
     ``shuffle=False``); global position ``j`` goes to rank ``j mod world_size``, so ranks see
     disjoint sequences; every rank gets the same number of full batches of ``batch_size``
-    (the remainder of the epoch is dropped). ``consumed`` counts the samples this rank has
-    handed to training in the current epoch (:class:`ResumableLoader` advances it); a new
-    iteration starts after them, and after a complete epoch the next one begins. ``epoch`` and
-    ``consumed`` set the starting position (a run resumed from a checkpoint).
+    (the remainder of the epoch is dropped). ``epoch`` and ``consumed`` (the samples this rank
+    had handed to training in that epoch) set the starting position of a run resumed from a
+    checkpoint: iteration starts after them, and after a complete epoch the next one begins.
     """
 
     def __init__(self, n: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
@@ -145,46 +144,6 @@ class SequenceSampler(DistributedSampler):
         """Called by Lightning at each epoch start; a no-op for the epoch already under way."""
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "n": self.n, "seed": self.seed,
-                "shuffle": self.shuffle, "batch_size": self.batch_size,
-                "world_size": self.num_replicas}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("n", "seed", "shuffle", "batch_size", "world_size"):
-            mine = self.num_replicas if key == "world_size" else getattr(self, key)
-            if state[key] != mine:
-                raise ValueError(
-                    f"cannot resume the data order: the checkpoint has {key}={state[key]}, this "
-                    f"run {key}={mine} (resume with the same data, seed, micro-batch size and "
-                    "number of devices)"
-                )
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader over a :class:`SequenceSampler` whose position survives a restart.
-
-    A batch counts as consumed when it is handed out (not when workers prefetch it), so
-    ``state_dict()`` taken after training on ``k`` batches resumes at batch ``k``. Lightning
-    stores this state in its checkpoints (it checkpoints loaders that have ``state_dict``).
-    """
-
-    def __init__(self, dataset: Dataset, sampler: SequenceSampler, **kwargs):
-        super().__init__(dataset, batch_size=sampler.batch_size, sampler=sampler,
-                         drop_last=True, **kwargs)
-
-    def __iter__(self):
-        for batch in super().__iter__():
-            self.sampler.consumed += self.batch_size
-            yield batch
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
 
 class ShardedEvalSampler(DistributedSampler):

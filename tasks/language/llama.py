@@ -1,6 +1,6 @@
 """LLaMA-2 (Touvron et al., 2023) in plain PyTorch: the paper's LLaMA2-130M/350M/1B/C4 models.
 
-As the HF ``LlamaForCausalLM`` configs the paper's code uses (ANCHORS.md): pre-norm blocks
+As the HF ``LlamaForCausalLM`` configs the paper's authors' code uses: pre-norm blocks
 with RMSNorm (eps 1e-6), SwiGLU MLP ``down(silu(gate(x)) ⊙ up(x))``, rotary position
 embeddings (θ = 10,000, rotate-half convention) on queries and keys, no biases, an untied
 ``lm_head``, every weight N(0, 0.02). Module names follow HF (``self_attn.q_proj``,

@@ -1,6 +1,6 @@
 """The ``cifar10`` task: ResNet-18 (CIFAR variant) on CIFAR-10, top-1 test accuracy.
 
-The paper's recipe (Table 7, ``tab:resnet18_cifar10_hyperparameters``) is
+The paper's recipe (Table 7) is
 ``conf/experiment/cifar10_resnet18.yaml``. The reported metric is the paper's: ``test/acc``, the
 top-1 accuracy of the final weights on the 10,000 test images. The test set never selects
 anything: with ``task.data.val_size = N > 0`` the last N training images are held out, validated
