@@ -364,7 +364,7 @@ def test_a_new_run_replaces_an_attempt_that_saved_nothing(tmp_path, capsys):
     (run / "trial.log").write_text("the sweep's own files stay\n")
     metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}",
                                  "optimizer.lr=0.01", "trainer.log_every_n_steps=1")))
-    assert "holds an earlier attempt that saved no checkpoint" in capsys.readouterr().out
+    assert "holds an earlier attempt that left no checkpoint to resume" in capsys.readouterr().out
     assert (run / "trial.log").exists() and metrics["global_step"] == 4
     assert OmegaConf.load(run / "config.yaml").optimizer.lr == 0.01
     events = EventAccumulator(str(run / "tensorboard")).Reload()

@@ -50,6 +50,11 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
             "config_error" if last.returncode == CONFIG_ERROR_EXIT else "failed")
         state = TrialState.PRUNED if status == "pruned" else TrialState.FAIL
         return Verdict(state, status, message=last.message, attrs=attrs)
+    stopped = [m for m in per_seed if m.get("status") == "diverged"]
+    if stopped:  # the run stopped itself on a NaN/inf loss or validation value
+        return Verdict(TrialState.FAIL, "diverged", attrs=attrs,
+                       message=f"diverged at step {stopped[0].get('diverged_at_step')}: "
+                               f"{stopped[0].get('diverged')}")
     if any(metric not in m for m in per_seed):
         return Verdict(TrialState.FAIL, "failed", attrs=attrs, missing_metric=True,
                        message=f"metrics.json has no {metric!r}; keys: {sorted(per_seed[0])}")
