@@ -160,7 +160,7 @@ class ChecksummedCheckpointIO(TorchCheckpointIO):
             raise TypeError("storage_options are not supported by ChecksummedCheckpointIO")
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        with reporting_full_disk(path):
+        with reporting_full_disk(path, then="then continue the run with resume=auto"):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(tmp, "wb") as f:
