@@ -10,12 +10,7 @@ shows the traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import shutil
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 
 class UserError(Exception):
@@ -56,33 +51,6 @@ class DiskFull(UserError, OSError):
     """A write failed for lack of space (ENOSPC, EDQUOT); the message names the path."""
 
     exit_code = 4
-
-
-#: ``errno`` values of a full disk or an exhausted quota.
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
-
-
-@contextlib.contextmanager
-def reporting_full_disk(path: str | os.PathLike, then: str = "") -> Iterator[None]:
-    """Turn a full-disk ``OSError`` raised inside into :class:`DiskFull` naming ``path``, the
-    free space left there and what to do (``then``: how to continue afterwards)."""
-    try:
-        yield
-    except OSError as err:
-        if err.errno not in FULL_DISK or isinstance(err, DiskFull):
-            raise
-        raise full_disk(path, then) from None
-
-
-def full_disk(path: str | os.PathLike, then: str = "") -> DiskFull:
-    """The :class:`DiskFull` error for a write under ``path`` that found no space."""
-    folder = Path(path)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free / 2**30
-    return DiskFull(f"no space left on the disk holding {path} ({free:.2f} GiB free); free "
-                    f"space there (old runs, checkpoints) or write to a larger disk"
-                    f"{'; ' + then if then else ''}")
 
 
 def format_error(err: UserError, prog: str = "muoneq") -> str:

@@ -33,7 +33,8 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from muoneq.errors import UserError, reporting_full_disk
+from muoneq.errors import UserError
+from muoneq.files import atomic_write, reporting_full_disk
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -65,10 +66,8 @@ def _sha256(path: Path) -> str:
 def _write_checksums(checkpoint: Path, sums: dict[str, str]) -> None:
     """``checkpoint.sha256``: one ``<sha256>  <path relative to the checkpoints folder>`` line
     per file, written atomically."""
-    target = checksum_path(checkpoint)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
-    os.replace(tmp, target)
+    atomic_write(checksum_path(checkpoint),
+                 "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
 
 
 def record_folder_checksums(checkpoint: Path) -> None:

@@ -20,7 +20,6 @@ import datetime
 import enum
 import hashlib
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -31,7 +30,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import muoneq
-from muoneq.errors import UserError, reporting_full_disk
+from muoneq.errors import UserError
+from muoneq.files import atomic_write
 from muoneq.runtime.config import is_result_key
 
 CONFIG_FILE = "config.yaml"
@@ -211,18 +211,6 @@ def session(argv: list[str] | None = None) -> dict:
         "torch": str(torch.__version__),
         "lightning": lightning.__version__,
     }
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a kill leaves the old file or the new one, whole (a
-    full disk: :class:`~muoneq.errors.DiskFull` naming ``path``, nothing half-written left)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with reporting_full_disk(path):
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
 
 def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size: int) -> None:

@@ -29,12 +29,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 import muoneq
-from muoneq.errors import Diverged, Interrupted, reporting_full_disk
+from muoneq.errors import Diverged, Interrupted
+from muoneq.files import atomic_write, reporting_full_disk
 from muoneq.runtime import checkpoints, record
 from muoneq.runtime.callbacks import LastValidation, StepStats, Stop
 from muoneq.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.runtime.config import Resume
-from muoneq.runtime.record import CONFIG_FILE, RunFolderError, atomic_write
+from muoneq.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.runtime.tasks import get_task
 from muoneq.runtime.trainer import TENSORBOARD_DIR, build_trainer, check_accelerator
 

@@ -44,6 +44,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.errors import DiskFull
+from muoneq.files import FULL_DISK, full_disk
 from muoneq.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.sweeps.runner import Runner
 from muoneq.sweeps.scheduler import Scheduler, Wait
@@ -106,20 +108,29 @@ class Driver:
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()
+        self.failure: DiskFull | None = None  #: a full disk met by a worker thread
 
     def summary(self) -> Summary:
         return self.ledger.summary()
 
     def _worker(self, slot: int) -> None:
-        while not self.stop.is_set():
-            with self._lock:
-                job = self.scheduler.next_job()
-            if job is None:
-                return
-            if isinstance(job, Wait):
-                self.stop.wait(self.opts.poll_s)
-                continue
-            self.runner.execute(job, slot)
+        """Take and run jobs; a full disk stops every worker and is raised by :meth:`run`."""
+        try:
+            while not self.stop.is_set():
+                with self._lock:
+                    job = self.scheduler.next_job()
+                if job is None:
+                    return
+                if isinstance(job, Wait):
+                    self.stop.wait(self.opts.poll_s)
+                    continue
+                self.runner.execute(job, slot)
+        except OSError as err:
+            if not isinstance(err, DiskFull) and err.errno not in FULL_DISK:
+                raise
+            self.failure = err if isinstance(err, DiskFull) else full_disk(
+                err.filename or self.study_dir, "then run the same sweep command to continue")
+            self.stop.set()
 
     def run(self) -> Summary:
         """Work until the study is finished (or SIGINT/SIGTERM); return the final counts."""
@@ -150,6 +161,8 @@ class Driver:
                 signal.signal(signal.SIGTERM, previous)
             os.close(lock_fd)
             lock_path.unlink(missing_ok=True)
+        if self.failure is not None:
+            raise self.failure
         result = self.summary()
         result.interrupted = interrupted or self.stop.is_set()
         return result
