@@ -14,10 +14,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from runtime_helpers import tiny_cifar10
+from runtime_helpers import Losses, StopAt, tiny
 
 from muoneq.cli import main
 from muoneq.errors import DiskFull
@@ -26,27 +25,6 @@ from muoneq.runtime import checkpoints as ckpts
 from muoneq.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny(tmp_path: Path, *extra: str) -> list[str]:
-    return ["experiment=cifar10_resnet18", *tiny_cifar10(tmp_path), *extra]
-
-
-class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.by_step[trainer.global_step] = float(outputs["loss"])
-
-
-class StopAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("stopped by the test")
 
 
 def one_line(err: str) -> str:
@@ -348,3 +326,19 @@ def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, sign
                        "trainer.progress=quiet")), callbacks=[reference])
     for s, loss in losses.by_step.items():
         assert loss == reference.by_step[s], s
+
+
+def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):
+    folder = tmp_path / "checkpoints" / "last-step000000004.ckpt"
+    folder.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", "meta.pt", ".metadata"):
+        (folder / name).write_bytes(name.encode() * 100)
+    ckpts.record_folder_checksums(folder)
+    assert ckpts.damage(folder) is None
+    shard = folder / "__1_0.distcp"
+    shard.write_bytes(b"X" + shard.read_bytes()[1:])
+    assert ckpts.damage(folder) == (
+        "the SHA-256 of last-step000000004.ckpt/__1_0.distcp differs from the one in "
+        "last-step000000004.ckpt.sha256")
+    shard.unlink()
+    assert ckpts.damage(folder) == "last-step000000004.ckpt/__1_0.distcp is missing"
