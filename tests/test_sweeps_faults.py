@@ -131,3 +131,28 @@ def test_a_trial_that_diverged_is_recorded_as_diverged():
     # a best value from before the divergence does not make it a result
     metrics["best"] = 3.2
     assert judge([launch.Outcome("complete", metrics)], [0], "best").outcome == "diverged"
+
+
+def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
+    """Two drivers claim the same run; each wrote its claim before looking, but only the
+    lower-numbered one saw the other's (the case that ran a run twice on PostgreSQL)."""
+    import threading
+
+    from muoneq.sweeps.ledger import ATTR_DRIVER, ATTR_KEY, ATTR_OUTCOME
+
+    driver = Driver(load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0])), options(tmp_path))
+    ledger, study, key = driver.ledger, driver.study, "a run"
+    first, second = study.ask(), study.ask()
+    for trial in (first, second):
+        trial.set_user_attr(ATTR_KEY, key)
+    assert ledger.duplicate_of(second.number, key) == first.number  # the later one sees it
+    second.set_user_attr(ATTR_DRIVER, "the other driver")  # ... or it did not, and went on
+    assert ledger.duplicate_of(first.number, key) == second.number
+    # undecided: the earlier claim waits for the later one's decision (here: it skips)
+    third, fourth = study.ask(), study.ask()
+    for trial in (third, fourth):
+        trial.set_user_attr(ATTR_KEY, "another run")
+    decide = threading.Timer(0.5, fourth.set_user_attr, (ATTR_OUTCOME, "skipped"))
+    decide.start()
+    assert ledger.duplicate_of(third.number, "another run") is None
+    decide.join()

@@ -9,8 +9,9 @@ threads in one process, several processes, several machines on one RDB storage) 
   the grid as results come in), so every driver derives the same plan and a killed one derives
   it again; each worker takes the plan's first open run;
 * **duplicates**: after ``ask`` a worker writes the run it takes into its trial, then skips it
-  when the same run is already finished or claimed under a lower trial number (so exactly one
-  of two racing drivers goes on). Skipped trials are told FAIL with ``outcome=skipped`` and are
+  when the same run is already finished or claimed under a lower trial number, or taken by a
+  later claim that did not see its own (so exactly one of two racing drivers goes on, whichever
+  of them saw the other's claim). Skipped trials are told FAIL with ``outcome=skipped`` and are
   never counted;
 * **stopping on counts**: a worker stops when every run of the grid (or ``search.n_trials``
   configurations) is finished or has used up its retries, and waits while other workers still
