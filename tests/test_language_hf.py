@@ -115,7 +115,8 @@ def test_fsdp2_shards_the_decoder_layers_and_ends_where_one_process_does(shards,
               "task.val_every_n_steps=4", "optimizer.ns_dtype=float32",
               "trainer.precision=32-true"]
     args = tiny_args(shards, tmp_path / "fsdp2", *common, "trainer=fsdp2",
-                     "trainer.accelerator=cpu", "trainer.devices=2")
+                     "trainer.accelerator=cpu", "trainer.devices=2",
+                     "trainer.checkpoint_every_n_steps=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "muoneq", "train", *args], env=env,
                           capture_output=True, text=True, timeout=600)
