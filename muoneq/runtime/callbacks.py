@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -195,20 +196,38 @@ def _any_rank(trainer, flag: bool) -> bool:
     return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
 
 
-class Divergence(L.Callback):
-    """Stop the run when its training loss or its validation ``monitor`` is NaN or infinite
-    more than ``patience`` times in a row (``trainer.divergence_patience``; 0: the first).
+class _AtStepEnd(L.Callback):
+    """Calls :meth:`step_end` after the last micro-batch of every optimizer step."""
 
-    Every micro-batch's loss is checked (the device is synchronized for it, as
-    :class:`StepStats` does anyway). The run ends at once with :class:`Stop`: nothing more is
-    trained, validated or saved (the weights are not finite)."""
+    _step_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._step_at_start:  # else: more micro-batches to go
+            self.step_end(trainer)
+
+    def step_end(self, trainer) -> None:
+        raise NotImplementedError
+
+
+class Divergence(_AtStepEnd):
+    """Stop the run when its training loss or its validation ``monitor`` is NaN or infinite
+    more than ``patience`` times in a row (optimizer steps and validations;
+    ``trainer.divergence_patience``, 0: the first).
+
+    The loss of every micro-batch is checked on its device; the host reads the verdict once
+    per optimizer step (the device is synchronized there anyway, :class:`StepStats`), and once
+    per validation. The run ends at once with :class:`Stop`: nothing more is trained,
+    validated or saved (the weights are not finite)."""
 
     def __init__(self, patience: int, monitor: str | None) -> None:
         self.patience, self.monitor = patience, monitor
         self.in_a_row = 0
+        self._bad = self._loss = None
 
-    def _check(self, trainer, name: str, value) -> None:
-        finite = value is None or bool(math.isfinite(float(value)))
+    def _check(self, trainer, name: str, finite: bool, value) -> None:
         if not _any_rank(trainer, not finite):
             self.in_a_row = 0
             return
@@ -218,15 +237,28 @@ class Divergence(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self._check(trainer, "the training loss", None if loss is None else loss.detach())
+        if loss is not None:
+            loss = loss.detach()
+            bad = ~torch.isfinite(loss)
+            # the step's first non-finite loss, for the message (kept on the device: no sync)
+            self._loss = loss if self._bad is None else torch.where(self._bad, self._loss, loss)
+            self._bad = bad if self._bad is None else self._bad | bad
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def step_end(self, trainer) -> None:
+        bad, loss, self._bad, self._loss = self._bad, self._loss, None, None
+        if bad is not None:
+            self._check(trainer, "the training loss", not bool(bad), loss)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit" or self.monitor is None:
             return
-        self._check(trainer, self.monitor, trainer.callback_metrics.get(self.monitor))
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self._check(trainer, self.monitor, math.isfinite(float(value)), value)
 
 
-class Interruption(L.Callback):
+class Interruption(_AtStepEnd):
     """SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill) while training: the current
     optimizer step is finished, ``last-step<N>.ckpt`` is saved for it (``save``, the resume
     point's saver) and the run ends with :class:`Stop`, so that ``resume=auto`` loses nothing.
@@ -245,7 +277,6 @@ class Interruption(L.Callback):
         self.save = save
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
-        self._step_at_start = 0
 
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
@@ -268,12 +299,7 @@ class Interruption(L.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore()
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._step_at_start = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._step_at_start:
-            return  # inside an optimizer step (gradient accumulation): finish it first
+    def step_end(self, trainer) -> None:
         if _any_rank(trainer, self.signum is not None):
             checkpoint = self.save(trainer)
             name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"

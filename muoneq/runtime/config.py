@@ -148,9 +148,9 @@ class TrainerConfig:
     #: Save ``last`` every N optimizer steps; ``None``: at the end of every epoch.
     checkpoint_every_n_steps: int | None = None
     progress: ProgressMode = ProgressMode.auto
-    #: Non-finite training losses or validation metrics (NaN/inf) in a row that a run tolerates
-    #: before it stops as diverged (:class:`muoneq.runtime.callbacks.Divergence`); 0: the first
-    #: stops it; ``None``: never stop.
+    #: Optimizer steps (a non-finite loss in any micro-batch) or validations with a NaN/inf
+    #: value in a row that a run tolerates before it stops as diverged
+    #: (:class:`muoneq.runtime.callbacks.Divergence`); 0: the first stops it; ``None``: never.
     divergence_patience: int | None = 0
 
     def __post_init__(self) -> None:

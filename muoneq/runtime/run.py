@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import shutil
 import time
@@ -51,7 +52,7 @@ def run_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg.run.dir)
     root = Path(cfg.run.root)
     run_dir = root / cfg.run.name
-    if run_dir.resolve().parent != root.resolve():
+    if Path(os.path.normpath(run_dir)).parent != Path(os.path.normpath(root)):
         raise RunFolderError(f"run.name={cfg.run.name!r} leads out of run.root={root}; pass "
                              "another run.name")
     return run_dir
@@ -80,16 +81,17 @@ def _clear_attempt(run_dir: Path) -> None:
     that left no checkpoint to resume from (its curves would mix with this run's). Called only
     for a folder whose ``config.yaml`` is ours (:func:`muoneq.runtime.record.read_record`);
     checkpoints set aside as damaged are kept, and nothing else is ever deleted."""
-    events = run_dir / TENSORBOARD_DIR
     made = [p for p in (run_dir / CHECKPOINT_DIR).glob("*")
-            if p.is_file() and checkpoints.DAMAGED_SUFFIX not in p.name]
-    if events.is_dir() or made:
+            if checkpoints.DAMAGED_SUFFIX not in p.name]
+    made += [run_dir / TENSORBOARD_DIR] if (run_dir / TENSORBOARD_DIR).is_dir() else []
+    if made:
         print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
               "resume from; starting over (its tensorboard/ and checkpoints are removed)")
-    if events.is_dir():
-        shutil.rmtree(events)
     for path in made:
-        path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _read_finished(metrics_path: Path) -> dict:
