@@ -284,26 +284,26 @@ def test_divergence_can_be_switched_off(tmp_path):
 
 
 # ----------------------------------------------------------------------------- signals
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, signum):
-    """A real process gets SIGINT (Ctrl-C) or SIGTERM (SLURM) mid-epoch: it saves the step it
-    is at, exits 130/143 with the command that continues it, and that command continues the
-    uninterrupted run's trajectory exactly."""
-    epochs = 20  # 80 steps, long enough to be signalled mid-run
-    args = tiny(tmp_path, f"trainer.max_epochs={epochs}", f"run.dir={tmp_path / 'run'}",
-                "trainer.progress=log", "trainer.log_every_n_steps=1")
+def signal_mid_run(args: list[str], tmp_path: Path, signum: int, *, group: bool = False):
+    """Run ``muoneq train args`` (logging every step), send ``signum`` once it has done 6
+    steps (to its whole process group with ``group``, as SLURM does); return the last step it
+    printed, its exit status, its one-line message and the step that message names."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "stderr.txt").open("w+")
-    process = subprocess.Popen([sys.executable, "-m", "muoneq", "train", *args], env=env,
-                               stdout=subprocess.PIPE, stderr=log, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "muoneq", "train", *args,
+                                "trainer.progress=log", "trainer.log_every_n_steps=1"],
+                               env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                               start_new_session=group)
     seen = 0
     for line in process.stdout:
         if line.startswith("epoch ") and " step " in line:
             seen = int(line.split()[3].split("/")[0])
             if seen >= 6:
                 break
-    process.send_signal(signum)
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
     process.communicate(timeout=120)
     log.seek(0)
     err = log.read()
@@ -312,6 +312,18 @@ def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, sign
     assert f"stopped by {signal.Signals(signum).name} after step " in line
     step = int(line.split(" after step ")[1].split(",")[0])
     assert seen <= step < seen + 5  # the step it was at (a few more may have run meanwhile)
+    return line, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, signum):
+    """A real process gets SIGINT (Ctrl-C) or SIGTERM (SLURM) mid-epoch: it saves the step it
+    is at, exits 130/143 with the command that continues it, and that command continues the
+    uninterrupted run's trajectory exactly."""
+    epochs = 20  # 80 steps, long enough to be signalled mid-run
+    args = tiny(tmp_path, f"trainer.max_epochs={epochs}", f"run.dir={tmp_path / 'run'}")
+    line, step = signal_mid_run(args, tmp_path, signum)
     assert (tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt").is_file()
     command = line.split("continue it with: ")[1]
     words = shlex.split(command)
@@ -342,3 +354,14 @@ def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):
         "last-step000000004.ckpt.sha256")
     shard.unlink()
     assert ckpts.damage(folder) == "last-step000000004.ckpt/__1_0.distcp is missing"
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_with_loader_workers_still_saves(tmp_path):
+    """SLURM signals every process of a job, the loader workers too: they keep serving until
+    the main process has finished its step and saved it."""
+    args = tiny(tmp_path, "trainer.max_epochs=20", f"run.dir={tmp_path / 'run'}",
+                "task.data.num_workers=2")
+    _, step = signal_mid_run(args, tmp_path, signal.SIGTERM, group=True)
+    assert ckpts.resume_point(tmp_path / "run") == (
+        tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt", [])

@@ -75,7 +75,7 @@ class LanguageDataModule(TaskDataModule):
         return DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
             num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=torch.cuda.is_available(), worker_init_fn=self.worker_init_fn(),
         )
 
     def train_dataloader(self) -> DataLoader:
