@@ -27,9 +27,10 @@ from muoneq.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def one_line(err: str) -> str:
+def one_line(err: str, ranks: int = 1) -> str:
+    """The one ``muoneq:`` line of ``err`` (every one of ``ranks`` processes prints its own)."""
     lines = [x for x in err.splitlines() if x.startswith("muoneq: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    assert len(lines) == ranks and len(set(lines)) == 1 and "Traceback" not in err, err
     return lines[0]
 
 
@@ -308,8 +309,9 @@ def signal_mid_run(args: list[str], tmp_path: Path, signum: int, *, group: bool 
     log.seek(0)
     err = log.read()
     assert process.returncode == 128 + signum, err[-2000:]
-    line = one_line(err)
-    assert f"stopped by {signal.Signals(signum).name} after step " in line
+    name = signal.Signals(signum).name
+    line = one_line("\n".join(x for x in err.splitlines() if f"stopped by {name}" in x
+                               or "Traceback" in x))  # other ranks: "a signal on another rank"
     step = int(line.split(" after step ")[1].split(",")[0])
     assert seen <= step < seen + 5  # the step it was at (a few more may have run meanwhile)
     return line, step
@@ -363,5 +365,29 @@ def test_sigterm_to_every_process_with_loader_workers_still_saves(tmp_path):
     args = tiny(tmp_path, "trainer.max_epochs=20", f"run.dir={tmp_path / 'run'}",
                 "task.data.num_workers=2")
     _, step = signal_mid_run(args, tmp_path, signal.SIGTERM, group=True)
+    assert ckpts.resume_point(tmp_path / "run") == (
+        tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt", [])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ddp_processes_stop_together(tmp_path):
+    """Divergence and a signal that reaches rank 0 only stop both processes at the same step
+    (the callbacks decide together), with the same outcome as one process."""
+    ddp = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "diverged"
+    done = subprocess.run([sys.executable, "-m", "muoneq", "train",
+                           *tiny(tmp_path, *ddp, "trainer.max_epochs=4", f"run.dir={run}",
+                                 "optimizer.lr=1e30")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "diverged" and metrics["world_size"] == 2
+    line = one_line(done.stderr, ranks=2)
+    assert f"diverged at step {metrics['diverged_at_step']}: " in line
+
+    args = tiny(tmp_path, *ddp, "trainer.max_epochs=40", f"run.dir={tmp_path / 'run'}")
+    _, step = signal_mid_run(args, tmp_path, signal.SIGTERM)  # to rank 0 only
     assert ckpts.resume_point(tmp_path / "run") == (
         tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt", [])
