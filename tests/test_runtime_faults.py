@@ -114,6 +114,7 @@ def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, cap
         (folder / name).write_bytes(data)
     nine = folder / "last-step000000009.ckpt"
     flip_a_tensor_byte(nine)
+    (folder / ".last-step000000010.ckpt.tmp").write_bytes(b"a write cut short by a kill")
     damaged = nine.read_bytes()
     if not checksums:  # a checkpoint written before the checksums: torch's CRC-32s
         for p in folder.glob("*.sha256"):

@@ -220,6 +220,7 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
             run_dir.mkdir(parents=True, exist_ok=True)
             record.write_new(run_dir, cfg, argv, trainer.world_size)
         else:
+            checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
             record.add_session(run_dir, previous, cfg, argv, checkpoint)
             print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
         summary = ["metrics/best", "metrics/final"] if module.monitor else []
