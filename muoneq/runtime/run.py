@@ -7,10 +7,13 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
     routing.txt       every tensor's path (matrix/AdamW), the matrices the optimizer sees and
                       the rule that decided it (:func:`muoneq.describe`)
     tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
-    checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric)
-    metrics.json      final figures; written last, only by a run that finished
+    checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric),
+                      each with its SHA-256 (:mod:`muoneq.runtime.checkpoints`)
+    metrics.json      final figures; written last, only by a run that finished or diverged
+                      (its "status")
 
-A sweep driver may treat the presence of ``metrics.json`` as success.
+A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
+``status`` as how it ended.
 """
 
 from __future__ import annotations
