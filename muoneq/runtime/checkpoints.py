@@ -44,7 +44,6 @@ BEST_NAME = "best"
 CHECKSUM_SUFFIX = ".sha256"
 DAMAGED_SUFFIX = ".damaged"
 _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
-_CHUNK = 1 << 20
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -56,11 +55,8 @@ def checksum_path(path: Path) -> Path:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _write_checksums(checkpoint: Path, sums: dict[str, str]) -> None:
