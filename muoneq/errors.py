@@ -30,9 +30,27 @@ class DataError(UserError, FileNotFoundError):
 
 
 class Interrupted(UserError):
-    """Training stopped by the user (Ctrl-C); the run can be continued."""
+    """Training stopped by SIGINT (Ctrl-C) or SIGTERM; the run can be continued. The exit status
+    is the shell's for the signal: 130 (SIGINT) or 143 (SIGTERM)."""
 
     exit_code = 130
+
+    def __init__(self, message: str, details: Sequence[str] = (), *, exit_code: int = 130):
+        super().__init__(message, details)
+        self.exit_code = exit_code
+
+
+class Diverged(UserError):
+    """The run's loss or validation metric became NaN or infinite: it stopped, and its
+    ``metrics.json`` says ``"status": "diverged"``."""
+
+    exit_code = 3
+
+
+class DiskFull(UserError, OSError):
+    """A write failed for lack of space (ENOSPC, EDQUOT); the message names the path."""
+
+    exit_code = 4
 
 
 def format_error(err: UserError, prog: str = "muoneq") -> str:

@@ -12,6 +12,7 @@ import hashlib
 import pickle
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 
 
@@ -69,6 +70,32 @@ def tiny_cifar10(tmp_path: Path) -> list[str]:
 
 
 TINY_RUNS = {"cifar10": tiny_cifar10}
+
+
+def tiny(tmp_path: Path, *extra: str) -> list[str]:
+    """The CIFAR-10 recipe on :func:`tiny_cifar10`'s data, with ``extra`` overrides."""
+    return ["experiment=cifar10_resnet18", *tiny_cifar10(tmp_path), *extra]
+
+
+class Losses(L.Callback):
+    """Training loss of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.by_step[trainer.global_step] = float(outputs["loss"])
+
+
+class StopAt(L.Callback):
+    """Crash the run at a given optimizer step (as a failure or a kill would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("stopped by the test")
 
 
 def tiny_language(tmp_path: Path) -> list[str]:

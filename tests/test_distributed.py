@@ -397,6 +397,8 @@ LIGHTNING_SCRIPT = textwrap.dedent(
     params = [p.full_tensor().detach().clone() for p in module.net.parameters()]
     if trainer.global_rank == 0:
         torch.save(params, sys.argv[1])
+    # left to the interpreter's exit, gloo's threads can abort it (SIGABRT after a good fit)
+    torch.distributed.destroy_process_group()
     """
 )
 

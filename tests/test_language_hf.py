@@ -115,12 +115,21 @@ def test_fsdp2_shards_the_decoder_layers_and_ends_where_one_process_does(shards,
               "task.val_every_n_steps=4", "optimizer.ns_dtype=float32",
               "trainer.precision=32-true"]
     args = tiny_args(shards, tmp_path / "fsdp2", *common, "trainer=fsdp2",
-                     "trainer.accelerator=cpu", "trainer.devices=2")
+                     "trainer.accelerator=cpu", "trainer.devices=2",
+                     "trainer.checkpoint_every_n_steps=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "muoneq", "train", *args], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = json.loads((tmp_path / "fsdp2" / "metrics.json").read_text())
+    # the distributed checkpoint (a folder of every rank's file) has checksums for every file
+    from muoneq.runtime import checkpoints
+
+    folder, damaged = checkpoints.resume_point(tmp_path / "fsdp2")
+    listed = checkpoints.checksum_path(folder).read_text().split()[1::2]
+    assert folder.is_dir() and not damaged
+    assert sorted(listed) == sorted(str(f.relative_to(folder.parent))
+                                    for f in folder.rglob("*") if f.is_file())
     one = train(compose(tiny_args(shards, tmp_path / "one", *common, "trainer=cpu")))
     assert sharded["world_size"] == 2
     assert sharded["val/loss"] == pytest.approx(one["val/loss"], rel=1e-4)

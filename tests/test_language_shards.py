@@ -137,3 +137,40 @@ def test_named_encoding_through_tiktoken(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR"):
         load_tokenizer("gpt2")
+
+
+def test_token_ids_are_checked_against_the_vocabulary_once(tmp_path, monkeypatch):
+    from tasks.language import shards
+
+    path = write_shard(tmp_path / shard_name("x", "train", 0), [5, 300, 7])
+    assert shards.max_token_id(path) == 300
+    monkeypatch.setattr(shards, "open_shard", lambda p: pytest.fail("read again"))
+    assert shards.max_token_id(path) == 300  # from the folder's cache
+    shards.check_vocabulary([path], 301, "byte")
+    with pytest.raises(ShardError) as err:
+        shards.check_vocabulary([path], 257, "byte")
+    assert str(err.value).startswith(
+        f"{path}: holds token id 300, outside the vocabulary of task.data.tokenizer=byte "
+        "(257 ids); the shards were written with another tokenizer")
+    monkeypatch.undo()
+    write_shard(path, [1, 2])  # rewritten: the cache entry no longer applies
+    assert shards.max_token_id(path) == 2
+
+
+def test_training_on_shards_of_another_vocabulary_is_one_line(tmp_path, capsys):
+    from runtime_helpers import tiny_language
+
+    from muoneq.cli import main
+
+    args = tiny_language(tmp_path)
+    shard = sorted((tmp_path / "shards").glob("*_train_*.bin"))[-1]
+    tokens = np.array(open_shard(shard))
+    tokens[len(tokens) // 2] = 60000  # a GPT-2 id, far outside the tiny BPE's vocabulary
+    write_shard(shard, tokens)
+    capsys.readouterr()
+    assert main(["train", "experiment=llama_tiny_shakespeare", *args, "trainer.max_steps=1",
+                 f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    assert line.startswith(f"muoneq: {shard}: holds token id 60000, outside the vocabulary of "
+                           "task.data.tokenizer=") and "Traceback" not in err

@@ -12,12 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from runtime_helpers import TINY_RUNS, tiny_cifar10
+from runtime_helpers import TINY_RUNS, Losses, StopAt, tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
@@ -30,31 +29,6 @@ EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny(tmp_path: Path, *extra: str) -> list[str]:
-    return ["experiment=cifar10_resnet18", *tiny_cifar10(tmp_path), *extra]
-
-
-class Losses(L.Callback):
-    """Training loss of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.by_step[trainer.global_step] = float(outputs["loss"])
-
-
-class StopAt(L.Callback):
-    """Crash the run at a given optimizer step (as a failure or a kill would)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("stopped by the test")
 
 
 def state_of(checkpoint: Path) -> dict:
@@ -371,7 +345,7 @@ def test_a_new_run_replaces_an_attempt_that_saved_nothing(tmp_path, capsys):
     (run / "trial.log").write_text("the sweep's own files stay\n")
     metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}",
                                  "optimizer.lr=0.01", "trainer.log_every_n_steps=1")))
-    assert "holds an earlier attempt that saved no checkpoint" in capsys.readouterr().out
+    assert "holds an earlier attempt that left no checkpoint to resume" in capsys.readouterr().out
     assert (run / "trial.log").exists() and metrics["global_step"] == 4
     assert OmegaConf.load(run / "config.yaml").optimizer.lr == 0.01
     events = EventAccumulator(str(run / "tensorboard")).Reload()

@@ -3,6 +3,7 @@ without changing the training trajectory."""
 
 from __future__ import annotations
 
+import atexit
 import csv
 from collections import defaultdict
 
@@ -64,6 +65,16 @@ def _data(n: int = 40) -> DataLoader:
     x = torch.randn(n, 2, 4, 4, generator=g)
     y = torch.randint(0, 3, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+def _leave_process_group() -> None:
+    """At the exit of a ``ddp_spawn`` process (which imports this module to unpickle ``Tiny``):
+    a gloo process group left to the interpreter's exit can abort it after a finished fit."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+atexit.register(_leave_process_group)
 
 
 def _fit(tmp_path, callbacks=(), logger=False, devices=1, **trainer_kwargs) -> Tiny:
@@ -329,6 +340,8 @@ trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_
                      enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, use_distributed_sampler=False)
 trainer.fit(Module(), DataLoader(data(), batch_size=1))
+if torch.distributed.is_initialized():  # gloo's threads can abort the interpreter's exit
+    torch.distributed.destroy_process_group()
 """
 
 

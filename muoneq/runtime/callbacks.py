@@ -1,14 +1,19 @@
 """Callbacks of every run: step time and peak memory (:class:`StepStats`), the lr of every
-optimizer step (:class:`StepLearningRate`) and plain log lines for logs that are not a terminal
-(:class:`LogLines`)."""
+optimizer step (:class:`StepLearningRate`), plain log lines for logs that are not a terminal
+(:class:`LogLines`), and the two ways a run stops early: divergence (:class:`Divergence`) and
+SIGINT/SIGTERM (:class:`Interruption`), both raising :class:`Stop`."""
 
 from __future__ import annotations
 
 import math
+import signal
 import statistics
+import threading
 import time
+from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -173,3 +178,130 @@ class LogLines(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_step = trainer.global_step
         self._last_time = time.perf_counter()
+
+
+class Stop(Exception):
+    """Raised by a callback to end ``fit`` at once (on every rank: the callbacks decide
+    together); :func:`muoneq.runtime.train` turns it into the run's outcome."""
+
+    def __init__(self, step: int, what: str, checkpoint: Path | None = None,
+                 signum: int | None = None) -> None:
+        super().__init__(what)
+        self.step, self.what, self.checkpoint, self.signum = step, what, checkpoint, signum
+
+
+def _any_rank(trainer, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a collective: every rank calls it at the same
+    point, so that all of them stop together)."""
+    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+
+
+class _AtStepEnd(L.Callback):
+    """Calls :meth:`step_end` after the last micro-batch of every optimizer step."""
+
+    _step_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._step_at_start:  # else: more micro-batches to go
+            self.step_end(trainer)
+
+    def step_end(self, trainer) -> None:
+        raise NotImplementedError
+
+
+class Divergence(_AtStepEnd):
+    """Stop the run when its training loss or its validation ``monitor`` is NaN or infinite
+    more than ``patience`` times in a row (optimizer steps and validations;
+    ``trainer.divergence_patience``, 0: the first).
+
+    The loss of every micro-batch is checked on its device; the host reads the verdict once
+    per optimizer step (the device is synchronized there anyway, :class:`StepStats`), and once
+    per validation. The run ends at once with :class:`Stop`: nothing more is trained,
+    validated or saved (the weights are not finite)."""
+
+    def __init__(self, patience: int, monitor: str | None) -> None:
+        self.patience, self.monitor = patience, monitor
+        self.in_a_row = 0
+        self._bad = self._loss = None
+
+    def _check(self, trainer, name: str, finite: bool, value) -> None:
+        if not _any_rank(trainer, not finite):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if self.in_a_row > self.patience:
+            raise Stop(trainer.global_step, f"{name} is not finite ({float(value)})")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            loss = loss.detach()
+            bad = ~torch.isfinite(loss)
+            # the step's first non-finite loss, for the message (kept on the device: no sync)
+            self._loss = loss if self._bad is None else torch.where(self._bad, self._loss, loss)
+            self._bad = bad if self._bad is None else self._bad | bad
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def step_end(self, trainer) -> None:
+        bad, loss, self._bad, self._loss = self._bad, self._loss, None, None
+        if bad is not None:
+            self._check(trainer, "the training loss", not bool(bad), loss)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit" or self.monitor is None:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self._check(trainer, self.monitor, math.isfinite(float(value)), value)
+
+
+class Interruption(_AtStepEnd):
+    """SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill) while training: the current
+    optimizer step is finished, ``last-step<N>.ckpt`` is saved for it (``save``, the resume
+    point's saver) and the run ends with :class:`Stop`, so that ``resume=auto`` loses nothing.
+
+    The processes decide together at the end of every optimizer step, so a signal that reaches
+    one rank stops all of them at the same step. A second Ctrl-C stops at once (Python's
+    ``KeyboardInterrupt``). The handlers are installed only while training runs (from
+    ``on_train_start``, replacing Lightning's SIGTERM handler, which would stop at the next
+    epoch boundary without a checkpoint), and the previous ones are restored afterwards. A
+    signal during a validation is acted on at the end of the next training step.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, save) -> None:
+        self.save = save
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signum = signum
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.signum = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()
+
+    def step_end(self, trainer) -> None:
+        if _any_rank(trainer, self.signum is not None):
+            checkpoint = self.save(trainer)
+            name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+            raise Stop(trainer.global_step, f"stopped by {name}", checkpoint,
+                       self.signum or signal.SIGTERM)

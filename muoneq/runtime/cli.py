@@ -21,6 +21,11 @@ key of the composed config (dotted: optimizer.lr, task.data.root, trainer.max_ep
 folder only if it was run with the same settings (keys that cannot change the result aside), and
 says which keys differ otherwise. Mistakes are one line, `muoneq: <what>; <how to fix>` (exit 2);
 --debug shows the traceback.
+
+Exit status: 0 finished; 2 a mistake to fix (config, data, run folder, damaged file); 3 diverged
+(NaN/inf loss or validation metric; metrics.json says "status": "diverged"); 4 disk full;
+130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM after saving the current step (the message gives
+the command that continues it).
 """
 
 
@@ -64,11 +69,18 @@ def main(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
 
+    import torch.distributed as dist
     from lightning.pytorch.utilities import rank_zero_only
 
     from muoneq.runtime.run import train  # heavy imports only when training
 
-    metrics = train(cfg, argv=args)
+    try:
+        metrics = train(cfg, argv=args)
+    finally:
+        # a process group left to the interpreter's exit can abort it (gloo's threads:
+        # "terminate called without an active exception"), failing a finished run
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     if rank_zero_only.rank == 0:
         print(closing_line(metrics))
     return 0

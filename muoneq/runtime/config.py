@@ -148,6 +148,10 @@ class TrainerConfig:
     #: Save ``last`` every N optimizer steps; ``None``: at the end of every epoch.
     checkpoint_every_n_steps: int | None = None
     progress: ProgressMode = ProgressMode.auto
+    #: Optimizer steps (a non-finite loss in any micro-batch) or validations with a NaN/inf
+    #: value in a row that a run tolerates before it stops as diverged
+    #: (:class:`muoneq.runtime.callbacks.Divergence`); 0: the first stops it; ``None``: never.
+    divergence_patience: int | None = 0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -169,6 +173,9 @@ class TrainerConfig:
                 f"trainer.checkpoint_every_n_steps: must be ≥ 1 or null, "
                 f"got {self.checkpoint_every_n_steps}"
             )
+        if self.divergence_patience is not None and self.divergence_patience < 0:
+            raise ValueError(f"trainer.divergence_patience: must be ≥ 0 or null, "
+                             f"got {self.divergence_patience}")
 
 
 @dataclass
@@ -206,15 +213,28 @@ class SpectraConfig:
         )
 
 
+#: The characters of a run name: one folder name, safe in any shell (never ``.`` or ``..``).
+RUN_NAME = re.compile(r"[A-Za-z0-9_.=-]+")
+
+
 @dataclass
 class RunSection:
     #: Run name; default ``<experiment or task>-<optimizer>-seed<seed>``, followed, when the
     #: command line sets anything else that changes the result, by those settings (shortened)
-    #: and a hash of their resolved values (:func:`default_run_name`).
+    #: and a hash of their resolved values (:func:`default_run_name`). One folder name of
+    #: :data:`RUN_NAME`'s characters, so ``<root>/<name>`` stays inside ``root``.
     name: str | None = None
     #: Run folder; default ``<root>/<name>``.
     dir: str | None = None
     root: str = "runs"
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (
+                not RUN_NAME.fullmatch(self.name) or self.name in (".", "..")):
+            raise ValueError(
+                f"run.name={self.name!r}: a run name is one folder name of letters, digits and "
+                "'-', '_', '.', '=' (not '.' or '..'), so that the run stays inside run.root; "
+                "pass another run.name, or run.dir=<folder> to choose the folder itself")
 
 
 @dataclass

@@ -17,12 +17,17 @@ own batches cannot do: Lightning fetches one batch ahead of the step it is runni
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import signal
+import threading
 import warnings
 from collections.abc import Iterator
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import Sampler
 
 # Mid-epoch resume is handled by TaskDataModule (see the module docstring), not by a stateful
@@ -30,6 +35,29 @@ from torch.utils.data import Sampler
 warnings.filterwarnings(
     "ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*"
 )
+
+
+#: Seconds a loader worker keeps serving after SIGINT/SIGTERM reached it (:func:`worker_init`).
+WORKER_GRACE_S = 60.0
+
+
+def _exit_later(signum, frame) -> None:
+    timer = threading.Timer(WORKER_GRACE_S, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
+
+
+def worker_init(worker_id: int, *, rank: int) -> None:
+    """The start of a loader worker process. SIGINT and SIGTERM reach the workers too (a
+    terminal's Ctrl-C, SLURM's SIGTERM to every process of a job): a worker keeps serving
+    batches, so that the main process can finish its step and save it
+    (:class:`~muoneq.runtime.callbacks.Interruption`) and then shut the workers down; one left
+    behind exits after :data:`WORKER_GRACE_S`. Then Lightning's seeding of workers, which it adds
+    only to loaders without a ``worker_init_fn`` of their own."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_later)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id, rank=rank)
 
 
 class ResumableSampler(Sampler[int]):
@@ -91,6 +119,10 @@ class TaskDataModule(L.LightningDataModule):
     @property
     def world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
+
+    def worker_init_fn(self):
+        """The ``worker_init_fn`` of this process's loaders (:func:`worker_init`)."""
+        return functools.partial(worker_init, rank=self.rank)
 
     def per_rank(self, global_batch_size: int, what: str = "task.data.batch_size") -> int:
         """The per-rank share of a global batch size (which must divide evenly)."""

@@ -18,8 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from muoneq.files import atomic_write
 from muoneq.runtime.optim import build_optimizer_from_config, routing_table
-from muoneq.runtime.record import atomic_write
 from muoneq.runtime.schedule import build_scheduler, schedule_warnings
 
 #: In the run folder: where each tensor went (matrix path or AdamW) and why.

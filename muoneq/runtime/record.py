@@ -20,7 +20,6 @@ import datetime
 import enum
 import hashlib
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import muoneq
 from muoneq.errors import UserError
+from muoneq.files import atomic_write
 from muoneq.runtime.config import is_result_key
 
 CONFIG_FILE = "config.yaml"
@@ -94,11 +94,23 @@ def differences(before: dict, after: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- reading
 def read_record(run_dir: Path) -> dict | None:
-    """The run folder's ``config.yaml`` as plain data, or None when it has none."""
+    """The run folder's ``config.yaml`` as plain data, or None when it has none. A folder is a
+    run folder only when its ``config.yaml`` has the ``provenance`` (with a ``fingerprint``)
+    that ``muoneq train`` writes: any other ``config.yaml`` raises :class:`RunFolderError`, so
+    that a run never takes over, clears or overwrites a folder it did not make."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         return None
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    try:
+        document = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # not YAML, or not a mapping: not one of ours either
+        document = None
+    provenance = document.get("provenance") if isinstance(document, dict) else None
+    if not isinstance(provenance, dict) or "fingerprint" not in provenance:
+        raise RunFolderError(
+            f"{run_dir} holds a {CONFIG_FILE} that muoneq train did not write (no provenance), "
+            "so it is not a run folder and is left alone; choose another run.dir or run.name")
+    return document
 
 
 def schema_default(cfg: DictConfig, key: str):
@@ -202,13 +214,6 @@ def session(argv: list[str] | None = None, resolved: dict | None = None) -> dict
         "lightning": lightning.__version__,
         **({"resolved": resolved} if resolved else {}),
     }
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a kill leaves the old file or the new one, whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size: int,

@@ -7,10 +7,13 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
     routing.txt       every tensor's path (matrix/AdamW), the matrices the optimizer sees and
                       the rule that decided it (:func:`muoneq.describe`)
     tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
-    checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric)
-    metrics.json      final figures; written last, only by a run that finished
+    checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric),
+                      each with its SHA-256 (:mod:`muoneq.runtime.checkpoints`)
+    metrics.json      final figures; written last, only by a run that finished or diverged
+                      (its "status")
 
-A sweep driver may treat the presence of ``metrics.json`` as success.
+A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
+``status`` as how it ended.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
+import shlex
 import shutil
 import time
-import zipfile
 from pathlib import Path
 
 import lightning as L
@@ -31,50 +33,37 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 import muoneq
-from muoneq.errors import Interrupted
+from muoneq.errors import Diverged, Interrupted
+from muoneq.files import atomic_write, reporting_full_disk
 from muoneq.newton_schulz import dtype_name, resolve_dtype
-from muoneq.runtime import record
-from muoneq.runtime.callbacks import LastValidation, StepStats
+from muoneq.runtime import checkpoints, record
+from muoneq.runtime.callbacks import LastValidation, StepStats, Stop
+from muoneq.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.runtime.config import Resume
 from muoneq.runtime.metrics import HPARAMS_ENV, METRICS_FILE
-from muoneq.runtime.record import CONFIG_FILE, RunFolderError, atomic_write
+from muoneq.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.runtime.tasks import get_task
-from muoneq.runtime.trainer import (
-    BEST_NAME,
-    CHECKPOINT_DIR,
-    LAST_PREFIX,
-    TENSORBOARD_DIR,
-    build_trainer,
-    check_accelerator,
-)
+from muoneq.runtime.trainer import TENSORBOARD_DIR, build_trainer, check_accelerator
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
-    return Path(cfg.run.dir) if cfg.run.dir else Path(cfg.run.root) / cfg.run.name
-
-
-def _checkpoint_complete(path: Path) -> bool:
-    """Whether a checkpoint was written to the end: ``torch.save`` writes a zip archive whose
-    central directory comes last, so a file cut short by a kill is not a zip file; a
-    distributed (FSDP2) checkpoint is a folder whose ``.metadata`` is written last."""
-    if path.is_dir():
-        return (path / ".metadata").is_file()
-    return zipfile.is_zipfile(path)
+    """``run.dir``, or ``<run.root>/<run.name>`` (a name is one folder name: checked when the
+    config is composed, and here again, so that no name leads out of ``run.root``)."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    root = Path(cfg.run.root)
+    run_dir = root / cfg.run.name
+    if Path(os.path.normpath(run_dir)).parent != Path(os.path.normpath(root)):
+        raise RunFolderError(f"run.name={cfg.run.name!r} leads out of run.root={root}; pass "
+                             "another run.name")
+    return run_dir
 
 
 def find_resume_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete ``last-step<N>.ckpt`` of a run folder, or ``None``."""
-    pattern = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt$")
-    found = []
-    for path in (Path(run_dir) / CHECKPOINT_DIR).glob(f"{LAST_PREFIX}*.ckpt"):
-        if match := pattern.match(path.name):
-            found.append((int(match.group(1)), path))
-    for _, path in sorted(found, reverse=True):
-        if _checkpoint_complete(path):
-            return path
-    return None
+    """The newest intact ``last-step<N>.ckpt`` of a run folder, or ``None``."""
+    return checkpoints.resume_point(run_dir)[0]
 
 
 def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) -> None:
@@ -100,17 +89,44 @@ def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
 
 
 def _clear_attempt(run_dir: Path) -> None:
-    """Remove the TensorBoard events and partial checkpoints of an earlier attempt in this run
-    folder that saved no checkpoint (its curves would mix with this run's). Only a folder with
-    a ``config.yaml`` is a run folder; nothing else is ever deleted."""
-    if not (run_dir / CONFIG_FILE).is_file():
-        return
-    leftovers = [run_dir / d for d in (TENSORBOARD_DIR, CHECKPOINT_DIR) if (run_dir / d).is_dir()]
-    if leftovers:
-        print(f"muoneq: note: {run_dir} holds an earlier attempt that saved no checkpoint; "
-              "starting over (its tensorboard/ and checkpoints/ are removed)")
-    for path in leftovers:
-        shutil.rmtree(path)
+    """Remove the TensorBoard events and checkpoints of an earlier attempt in this run folder
+    that left no checkpoint to resume from (its curves would mix with this run's). Called only
+    for a folder whose ``config.yaml`` is ours (:func:`muoneq.runtime.record.read_record`);
+    checkpoints set aside as damaged are kept, and nothing else is ever deleted."""
+    made = [p for p in (run_dir / CHECKPOINT_DIR).glob("*")
+            if checkpoints.DAMAGED_SUFFIX not in p.name]
+    made += [run_dir / TENSORBOARD_DIR] if (run_dir / TENSORBOARD_DIR).is_dir() else []
+    if made:
+        print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
+              "resume from; starting over (its tensorboard/ and checkpoints are removed)")
+    for path in made:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _read_finished(metrics_path: Path) -> dict:
+    """The figures of a finished run (one line naming the file when it is not readable)."""
+    try:
+        metrics = json.loads(metrics_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunFolderError(
+            f"{metrics_path} is damaged ({type(err).__name__}: {err}), so the finished run's "
+            "results cannot be read; restore it from a backup, or delete it and run again with "
+            "resume=auto (the run restarts from its last checkpoint)") from None
+    if not isinstance(metrics, dict):
+        raise RunFolderError(f"{metrics_path} is not a JSON object; restore it from a backup, "
+                             "or delete it and run again with resume=auto")
+    return metrics
+
+
+def continue_command(argv: list[str] | None) -> str:
+    """The command that continues this run: the same one with ``resume=auto``."""
+    if argv is None:  # called from Python: the caller's own call, with resume=auto
+        return "the same call with resume=auto"
+    words = [a for a in argv if not a.startswith("resume=")]
+    return shlex.join(["muoneq", "train", *words, "resume=auto"])
 
 
 def _number(value) -> float | None:
@@ -149,15 +165,28 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     it raises :class:`RunFolderError` with one line per differing key and leaves the folder as
     it was. A finished run is never extended (see :func:`muoneq.runtime.record.check_same_run`).
     Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
+
+    Checkpoints are verified before a resume: a damaged one is named, kept as ``*.damaged`` and
+    the previous intact one is used (:mod:`muoneq.runtime.checkpoints`). A NaN/inf loss or
+    validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
+    :class:`~muoneq.errors.Diverged`; SIGINT/SIGTERM saves the current step and raises
+    :class:`~muoneq.errors.Interrupted` with the command that continues the run; a full disk
+    raises :class:`~muoneq.errors.DiskFull` naming the folder.
     """
     started = time.perf_counter()
     check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
     metrics_path = run_dir / METRICS_FILE
     finished = metrics_path.is_file()
-    checkpoint = None if finished else find_resume_checkpoint(run_dir)
+    stored = [] if finished else checkpoints.last_checkpoints(run_dir)
     previous = record.read_record(run_dir)
-    if finished or checkpoint is not None:
+    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
+        raise RunFolderError(
+            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
+            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
+            "run.name")
+    checkpoint, damaged = None, []
+    if finished or stored:
         what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
         if cfg.resume is not Resume.auto:
             raise RunFolderError(
@@ -170,9 +199,14 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
                 "checked; start the run in another folder (another run.dir or run.name)")
         record.check_same_run(run_dir, previous, cfg, finished=finished)
         if finished:
+            metrics = _read_finished(metrics_path)
+            if metrics.get("status") == "diverged":
+                raise diverged_error(run_dir, metrics.get("diverged_at_step"),
+                                     metrics.get("diverged"))
             print(f"muoneq: {run_dir} already finished with these settings; its {METRICS_FILE} "
                   "is the result (nothing to do)")
-            return json.loads(metrics_path.read_text())
+            return metrics
+        checkpoint, damaged = checkpoints.resume_point(run_dir)
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
@@ -187,22 +221,35 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
                               world_size=trainer.world_size)
     if trainer.is_global_zero:
         auto = _auto_values(cfg, trainer)
+        then = (f"the run resumes from {checkpoint.name}" if checkpoint is not None else
+                "no intact checkpoint is left: the run starts over")
+        for path, reason in damaged:
+            kept = checkpoints.set_aside(path)
+            print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
+                  f"{then}")
         if checkpoint is None:
-            _clear_attempt(run_dir)
+            if previous is not None:
+                _clear_attempt(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
         else:
+            checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
             record.add_session(run_dir, previous, cfg, argv, checkpoint, auto)
             print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
         summary = ["metrics/best", "metrics/final"] if module.monitor else []
         if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view
             _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
-    if trainer.interrupted:
+    try:
+        with reporting_full_disk(run_dir, then="re-run the same command with resume=auto"):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+    except Stop as stop:
+        if stop.checkpoint is None:
+            return _diverged(trainer, cfg, module, run_dir, stop, started)
         raise Interrupted(
-            f"training of {run_dir} was interrupted, no {METRICS_FILE} written; re-run the same "
-            "command with resume=auto to continue from its last checkpoint")
+            f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
+            f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
+            f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
     fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
     best = final = None
     if module.monitor is not None:
@@ -226,18 +273,25 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         results = trainer.test(module, datamodule=datamodule, verbose=False)
         test_metrics = {k: _number(v) for k, v in (results[0] if results else {}).items()}
 
+    return _write_metrics(trainer, cfg, module, run_dir, started, {
+        "status": "finished", "best": best, "final": final,
+        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")}, **test_metrics,
+    })
+
+
+def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, started: float,
+                   figures: dict) -> dict:
+    """Write ``metrics.json`` (rank 0) from the run's ``figures`` and what every run records;
+    return it."""
     metrics = {
-        "status": "finished",
+        "status": figures.pop("status"),
         "task": cfg.task.name,
         "optimizer": cfg.optimizer.name,
         "seed": cfg.seed,
         "paper_metric": module.paper_metric,
         "monitor": module.monitor,
         "monitor_mode": module.monitor_mode if module.monitor else None,
-        "best": best,
-        "final": final,
-        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
-        **test_metrics,
+        **figures,
         **_callback(trainer, StepStats).summary(module.device),
         "wall_clock_s": time.perf_counter() - started,
         "global_step": trainer.global_step,
@@ -250,5 +304,27 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     }
     metrics = {k: _number(v) if isinstance(v, float) else v for k, v in metrics.items()}
     if trainer.is_global_zero:
-        atomic_write(metrics_path, json.dumps(metrics, indent=2, default=str) + "\n")
+        atomic_write(run_dir / METRICS_FILE, json.dumps(metrics, indent=2, default=str) + "\n")
     return metrics
+
+
+def _diverged(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, stop: Stop,
+              started: float) -> dict:
+    """Record a run that :class:`~muoneq.runtime.callbacks.Divergence` stopped: ``metrics.json``
+    with ``"status": "diverged"``, the step and what was not finite, the best validation value
+    before it; then raise :class:`~muoneq.errors.Diverged`."""
+    best = None
+    if module.monitor is not None:
+        score = _callback(trainer, ModelCheckpoint, monitor=module.monitor).best_model_score
+        best = None if score is None else _number(score)
+    _write_metrics(trainer, cfg, module, run_dir, started, {
+        "status": "diverged", "diverged_at_step": stop.step, "diverged": stop.what,
+        "best": best, "final": None})
+    raise diverged_error(run_dir, stop.step, stop.what)
+
+
+def diverged_error(run_dir: Path, step: int, what: str) -> Diverged:
+    return Diverged(
+        f"{run_dir} diverged at step {step}: {what}; its {METRICS_FILE} says \"status\": "
+        "\"diverged\" (lower optimizer.lr, or raise trainer.divergence_patience to tolerate "
+        "isolated non-finite values)")

@@ -32,7 +32,21 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from muoneq.runtime.accelerators import NPU_BACKEND, NPUAccelerator, torch_npu
-from muoneq.runtime.callbacks import LastValidation, LogLines, StepLearningRate, StepStats
+from muoneq.runtime.callbacks import (
+    Divergence,
+    Interruption,
+    LastValidation,
+    LogLines,
+    StepLearningRate,
+    StepStats,
+)
+from muoneq.runtime.checkpoints import (
+    BEST_NAME,
+    CHECKPOINT_DIR,
+    ChecksummedCheckpointIO,
+    LastCheckpoint,
+    record_folder_checksums,
+)
 from muoneq.runtime.config import AcceleratorName, ConfigError, ProgressMode, StrategyName
 
 # Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
@@ -40,12 +54,8 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
     lambda record: not str(record.msg).startswith("💡 Tip")
 )
 
-#: Files of a run folder.
-CHECKPOINT_DIR = "checkpoints"
+#: The run folder's TensorBoard folder (its checkpoints: :mod:`muoneq.runtime.checkpoints`).
 TENSORBOARD_DIR = "tensorboard"
-LAST_PREFIX = "last-step"
-#: ``best.ckpt``: the weights with the best ``monitor`` value of the run.
-BEST_NAME = "best"
 
 
 def _single_device(devices: int | str) -> bool:
@@ -64,6 +74,16 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
         super().setup_environment()
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """A distributed checkpoint (a folder) gets its checksums once every rank's file and
+        the metadata are written (:mod:`muoneq.runtime.checkpoints`)."""
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(filepath)
+        if self._save_distributed_checkpoint:
+            self.barrier("checksums")
+            if self.global_rank == 0:
+                record_folder_checksums(path)
 
 
 class GlobalStepLogger(TensorBoardLogger):
@@ -129,13 +149,16 @@ def build_trainer(
 ) -> L.Trainer:
     """A ``Trainer`` writing TensorBoard logs and checkpoints under ``run_dir``.
 
-    Checkpoints (``run_dir/checkpoints``): ``last-step<N>.ckpt`` at the end of every epoch, or
-    every ``trainer.checkpoint_every_n_steps`` steps, the previous one deleted only after the
+    Checkpoints (``run_dir/checkpoints``, each with its SHA-256, see
+    :mod:`muoneq.runtime.checkpoints`): ``last-step<N>.ckpt`` at the end of every epoch, or
+    every ``trainer.checkpoint_every_n_steps`` steps, and when SIGINT/SIGTERM stops the run
+    (:class:`~muoneq.runtime.callbacks.Interruption`), the older ones deleted only after the
     new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation (and
     after the final one :func:`muoneq.runtime.train` adds). ``monitor=None``: the task has no
     validation set (e.g. CIFAR-10 without ``task.data.val_size``); no validation runs and no
-    ``best.ckpt`` is kept. Settings Lightning rejects (e.g. more devices than the machine has)
-    raise :class:`ConfigError`.
+    ``best.ckpt`` is kept. A NaN/inf loss or validation metric stops the run
+    (:class:`~muoneq.runtime.callbacks.Divergence`). Settings Lightning rejects (e.g. more
+    devices than the machine has) raise :class:`ConfigError`.
     """
     t = cfg.trainer
     check_accelerator(t)
@@ -148,12 +171,7 @@ def build_trainer(
     devices = 1 if t.strategy is StrategyName.single and t.devices == "auto" else t.devices
 
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
-    step_based = t.checkpoint_every_n_steps is not None
-    last = ModelCheckpoint(
-        dirpath=ckpt_dir, filename=LAST_PREFIX + "{step:09d}", auto_insert_metric_name=False,
-        monitor=None, save_top_k=1, every_n_train_steps=t.checkpoint_every_n_steps,
-        save_on_train_epoch_end=None if step_based else True, enable_version_counter=False,
-    )
+    last = LastCheckpoint(ckpt_dir, t.checkpoint_every_n_steps)
     best = [] if monitor is None else [ModelCheckpoint(
         dirpath=ckpt_dir, filename=BEST_NAME, monitor=monitor, mode=monitor_mode, save_top_k=1,
         auto_insert_metric_name=False, save_on_train_epoch_end=False,
@@ -165,6 +183,8 @@ def build_trainer(
     extra = [TQDMProgressBar()] if progress is ProgressMode.bar else []
     if progress is ProgressMode.log:
         extra.append(LogLines(t.log_every_n_steps))
+    if t.divergence_patience is not None:
+        extra.append(Divergence(t.divergence_patience, monitor))
 
     logger = GlobalStepLogger(save_dir=run_dir, name=TENSORBOARD_DIR, version="",
                               default_hp_metric=False)
@@ -176,7 +196,7 @@ def build_trainer(
             num_nodes=t.num_nodes,
             strategy=strategy,
             precision=precision,
-            plugins=plugins or None,
+            plugins=[*plugins, ChecksummedCheckpointIO()],
             max_epochs=t.max_epochs,
             max_steps=t.max_steps,
             limit_train_batches=t.limit_train_batches,
@@ -194,7 +214,7 @@ def build_trainer(
             logger=logger,
             callbacks=[
                 last, *best, StepStats(), LastValidation(), StepLearningRate(),
-                *extra, *callbacks,
+                *extra, *callbacks, Interruption(last.save_now),
             ],
             enable_progress_bar=progress is ProgressMode.bar,
             # Tasks shard their own data (muoneq.runtime.data), so resumed runs replay exactly.

@@ -9,8 +9,9 @@ threads in one process, several processes, several machines on one RDB storage) 
   the grid as results come in), so every driver derives the same plan and a killed one derives
   it again; each worker takes the plan's first open run;
 * **duplicates**: after ``ask`` a worker writes the run it takes into its trial, then skips it
-  when the same run is already finished or claimed under a lower trial number (so exactly one
-  of two racing drivers goes on). Skipped trials are told FAIL with ``outcome=skipped`` and are
+  when the same run is already finished or claimed under a lower trial number, or taken by a
+  later claim that did not see its own (so exactly one of two racing drivers goes on, whichever
+  of them saw the other's claim). Skipped trials are told FAIL with ``outcome=skipped`` and are
   never counted;
 * **stopping on counts**: a worker stops when every run of the grid (or ``search.n_trials``
   configurations) is finished or has used up its retries, and waits while other workers still
@@ -46,6 +47,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.errors import DiskFull
+from muoneq.files import FULL_DISK, full_disk
 from muoneq.sweeps import hparams
 from muoneq.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.sweeps.runner import Runner
@@ -110,20 +113,29 @@ class Driver:
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()
+        self.failure: DiskFull | None = None  #: a full disk met by a worker thread
 
     def summary(self) -> Summary:
         return self.ledger.summary()
 
     def _worker(self, slot: int) -> None:
-        while not self.stop.is_set():
-            with self._lock:
-                job = self.scheduler.next_job()
-            if job is None:
-                return
-            if isinstance(job, Wait):
-                self.stop.wait(self.opts.poll_s)
-                continue
-            self.runner.execute(job, slot)
+        """Take and run jobs; a full disk stops every worker and is raised by :meth:`run`."""
+        try:
+            while not self.stop.is_set():
+                with self._lock:
+                    job = self.scheduler.next_job()
+                if job is None:
+                    return
+                if isinstance(job, Wait):
+                    self.stop.wait(self.opts.poll_s)
+                    continue
+                self.runner.execute(job, slot)
+        except OSError as err:
+            if not isinstance(err, DiskFull) and err.errno not in FULL_DISK:
+                raise
+            self.failure = err if isinstance(err, DiskFull) else full_disk(
+                err.filename or self.study_dir, "then run the same sweep command to continue")
+            self.stop.set()
 
     def run(self) -> Summary:
         """Work until the study is finished (or SIGINT/SIGTERM); return the final counts."""
@@ -154,6 +166,8 @@ class Driver:
                 signal.signal(signal.SIGTERM, previous)
             os.close(lock_fd)
             lock_path.unlink(missing_ok=True)
+        if self.failure is not None:
+            raise self.failure
         result = self.summary()
         result.interrupted = interrupted or self.stop.is_set()
         return result

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from muoneq.files import atomic_write
 from muoneq.runtime.metrics import HPARAMS_ENV, METRICS_FILE
 from muoneq.sweeps.spec import Point, SweepSpec
 
@@ -180,7 +181,7 @@ def run_process(
     try:
         record = {"fingerprint": fingerprint, "argv": list(argv), "host": socket.gethostname(),
                   "started": time.time()}
-        (run_dir / RECORD_NAME).write_text(json.dumps(record, indent=1))
+        atomic_write(run_dir / RECORD_NAME, json.dumps(record, indent=1))
         with (run_dir / LOG_NAME).open("ab") as log:
             log.write(f"\n=== {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
             log.flush()

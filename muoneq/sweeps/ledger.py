@@ -268,14 +268,28 @@ class Ledger:
             started, budget = self.configs_started(), self.spec.search.n_trials
             if number in started and started.index(number) >= budget:
                 over_budget = started[budget - 1]
-        for t in self.trials():
-            rec = TrialRecord.of(t)
-            if t.number == number or rec.skipped or self.key_of(t) != key:
-                continue
-            finished = t.state in DONE_STATES or rec.diverged
-            if finished or (t.state == TrialState.RUNNING and t.number < number):
-                return t.number
-        return over_budget
+        waited_since = time.monotonic()
+        while True:
+            undecided = False
+            for t in self.trials():
+                rec = TrialRecord.of(t)
+                if t.number == number or rec.skipped or self.key_of(t) != key:
+                    continue
+                finished = t.state in DONE_STATES or rec.diverged
+                if finished or (t.state == TrialState.RUNNING and t.number < number):
+                    return t.number
+                if t.state == TrialState.RUNNING:
+                    # A later claim of the same run. Its driver took the run (wrote its
+                    # ``driver``) only if it did not see this claim, written before it looked:
+                    # then this trial is the duplicate. Until it has decided, wait (claims are
+                    # written and read by separate transactions, so either driver may be the one
+                    # that saw the other).
+                    if rec.driver is not None:
+                        return t.number
+                    undecided = True
+            if not undecided or time.monotonic() - waited_since > self.spec.retry.stale_after_s:
+                return over_budget
+            time.sleep(0.05)
 
     def summary(self, runs: dict[str, RunState] | None = None) -> Summary:
         runs = self.survey().runs if runs is None else runs

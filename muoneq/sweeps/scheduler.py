@@ -10,8 +10,9 @@ Under the driver's in-process lock, :meth:`Scheduler.next_job`
 4. stops when every run is finished or out of retries (:data:`None`), waits while other workers
    hold the last runs (:class:`Wait`), or asks Optuna for a trial (:class:`Start`): a queued
    retry, the plan's first open run, or TPE's next configuration. A trial whose run is already
-   finished or claimed under a lower trial number (two drivers raced for it) is told FAIL with
-   ``outcome=skipped`` and the next one is asked.
+   finished or claimed by another trial (two drivers raced for it: see
+   :meth:`~muoneq.sweeps.ledger.Ledger.duplicate_of`) is told FAIL with ``outcome=skipped`` and
+   the next one is asked.
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ class Scheduler:
                     params[name] = trial.suggest_categorical(name, list(p.choices))
             point, seeds = self.ledger.point_of(params), tuple(self.spec.seeds)
             key = point.key
-        # The claim is written before looking for an earlier one, so of two racing drivers the
-        # one with the lower trial number goes on (duplicate_of).
+        # The claim is written before looking for another, so of two racing drivers at least one
+        # sees the other's: exactly one goes on (duplicate_of), and the ``driver`` attribute,
+        # written below, marks the one that did.
         self.ledger.write(trial.number, TrialRecord(run_key=key))
         duplicate = self.ledger.duplicate_of(trial.number, key)
         if duplicate is not None:

@@ -24,6 +24,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -254,6 +255,14 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
     path = sweep_path(path)
     try:
         raw = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise SweepError(f"{path}: {where}{problem}, so the file is not valid YAML; fix it "
+                         "there (indentation, a missing ':' or an unclosed bracket or quote)"
+                         ) from None
+    try:
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
     except OmegaConfBaseException as err:
         raise schema_error(err, str(path)) from None

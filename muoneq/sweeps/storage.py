@@ -7,19 +7,69 @@
 * ``postgresql://user@host:port/db`` (``pip install 'muoneq[postgres]'``), ``mysql://…``,
   ``sqlite:///path.db``: Optuna's ``RDBStorage`` — the way to share one study between workers
   on many machines (SQLite is for one machine only).
+
+A journal whose last record was cut short (a crash or a full disk during an append) is repaired
+before it is opened: Optuna would append the next record onto the partial line and the study
+could never be read again. :func:`repair_journal` does it under Optuna's own journal lock.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
+import sys
 import time
 from pathlib import Path
 
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
+from muoneq.errors import UserError
+
 JOURNAL_NAME = "optuna.journal"
+
+
+class JournalError(UserError, ValueError):
+    """A journal file Optuna cannot read (the message names the line and the command to fix it)."""
+
+
+def repair_journal(path: Path) -> None:
+    """Drop a cut-short last record of the journal at ``path`` (everything after its last
+    newline: Optuna writes each record as one line, so such a tail was never a whole record),
+    with a one-line note; refuse a damaged complete line with the ``sed`` command that removes
+    it (a cut record that was then appended to: the study cannot be read past it)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()  # appends by other drivers wait: the tail seen here is not one in progress
+    try:
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        for number, line in enumerate(data[:end].splitlines(), start=1):
+            try:
+                json.loads(line)
+            except ValueError:
+                raise JournalError(
+                    f"{path}: line {number} is not a whole Optuna journal record (a write was "
+                    "cut short, then appended to), so the study cannot be read; remove that "
+                    f"line to recover every other record: sed -i '{number}d' "
+                    f"{shlex.quote(str(path))}") from None
+        if end < len(data):
+            try:
+                os.truncate(path, end)
+            except OSError as err:
+                raise JournalError(
+                    f"{path}: its last record was cut short ({len(data) - end} bytes after the "
+                    f"last newline) and cannot be removed here ({err.strerror}); remove it: "
+                    f"truncate -s {end} {shlex.quote(str(path))}") from None
+            print(f"muoneq: note: {path}: dropped a last record cut short by a crash or a full "
+                  f"disk ({len(data) - end} bytes, an operation that never completed)",
+                  file=sys.stderr)
+    finally:
+        lock.release()
 
 
 def default_journal(study_dir: Path) -> Path:
@@ -38,6 +88,7 @@ def open_storage(url: str | None, study_dir: Path) -> BaseStorage:
     if url is None or url.startswith("journal:"):
         path = default_journal(study_dir) if url is None else Path(url[len("journal:"):])
         path.parent.mkdir(parents=True, exist_ok=True)
+        repair_journal(path)
         return JournalStorage(JournalFileBackend(str(path)))
     if "://" not in url:
         raise ValueError(

@@ -52,6 +52,11 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
             "config_error" if last.returncode == CONFIG_ERROR_EXIT else "failed")
         state = TrialState.PRUNED if status == "pruned" else TrialState.FAIL
         return Verdict(state, status, message=last.message, record=record)
+    stopped = [m for m in per_seed if m.get("status") == "diverged"]
+    if stopped:  # the run stopped itself on a NaN/inf loss or validation value
+        return Verdict(TrialState.FAIL, "diverged", record=record,
+                       message=f"diverged at step {stopped[0].get('diverged_at_step')}: "
+                               f"{stopped[0].get('diverged')}")
     if any(metric not in m for m in per_seed):
         # a retry would read the same file: the objective must be fixed (a config error)
         return Verdict(TrialState.FAIL, "config_error", record=record, missing_metric=True,

@@ -23,7 +23,7 @@ from tasks.language.data import (
     validation_sequences,
 )
 from tasks.language.prepare import PROGRESS_FILE
-from tasks.language.shards import find_shards
+from tasks.language.shards import check_vocabulary, find_shards
 from tasks.language.tokenizer import load_tokenizer
 
 
@@ -51,10 +51,11 @@ class LanguageDataModule(TaskDataModule):
     first ``val_tokens`` predicted tokens of the validation split, rows shared out without
     padding."""
 
-    def __init__(self, cfg: LanguageDataConfig, *, seed: int):
+    def __init__(self, cfg: LanguageDataConfig, *, seed: int, vocab_size: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.seed = seed
+        self.vocab_size = vocab_size  #: the tokenizer's; shards are checked against it
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
 
@@ -64,6 +65,8 @@ class LanguageDataModule(TaskDataModule):
         cfg = self.cfg
         train = find_shards(cfg.train_files or cfg.dir, "train")
         val = find_shards(cfg.val_files or cfg.dir, "val")
+        if self.vocab_size is not None:
+            check_vocabulary([*train, *val], self.vocab_size, cfg.tokenizer)
         self.train_set = PackedSequences(TokenStream(train), cfg.seq_len)
         self.val_set = validation_sequences(TokenStream(val), cfg.seq_len, cfg.val_tokens)
 
@@ -72,7 +75,7 @@ class LanguageDataModule(TaskDataModule):
         return DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
             num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=torch.cuda.is_available(), worker_init_fn=self.worker_init_fn(),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -9,6 +9,7 @@ fixed binary layout that numpy reads directly; no library owns it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from muoneq.errors import DataError, UserError
+from muoneq.files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -93,6 +95,50 @@ def open_shard(path: str | Path) -> np.memmap:
     if n_tokens == 0:
         return np.zeros(0, dtype=TOKEN_DTYPE)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+
+
+#: Per-folder cache of each shard's largest token id (``check_vocabulary``), keyed by file name
+#: and valid while the file's size and modification time are unchanged.
+MAX_ID_CACHE = ".token_max.json"
+
+
+def max_token_id(path: str | Path) -> int:
+    """The largest token id of a validated shard (-1 when empty): one pass over the file, then
+    remembered in its folder's :data:`MAX_ID_CACHE` (when the folder is writable), so a run
+    reads each shard for this once."""
+    path = Path(path)
+    stat = path.stat()
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    cache_path = path.parent / MAX_ID_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(path.name) if isinstance(cache, dict) else None
+    if isinstance(entry, list) and entry[:2] == stamp:
+        return int(entry[2])
+    tokens = open_shard(path)
+    largest = int(tokens.max()) if tokens.size else -1
+    cache = {**(cache if isinstance(cache, dict) else {}), path.name: [*stamp, largest]}
+    try:
+        atomic_write(cache_path, json.dumps(cache))
+    except OSError:  # a read-only data folder only means reading the shard again next time
+        pass
+    return largest
+
+
+def check_vocabulary(files, vocab_size: int, tokenizer: str) -> None:
+    """Raise :class:`ShardError` naming the first shard holding a token id ``≥ vocab_size``
+    (shards written with another tokenizer: the embedding would fail, or silently read another
+    row)."""
+    for path in files:
+        largest = max_token_id(path)
+        if largest >= vocab_size:
+            raise ShardError(
+                f"{path}: holds token id {largest}, outside the vocabulary of "
+                f"task.data.tokenizer={tokenizer} ({vocab_size} ids); the shards were written "
+                "with another tokenizer: pass that one as task.data.tokenizer, or "
+                f"{PREPARE_AGAIN}")
 
 
 def find_shards(source: str | Path, split: str) -> list[Path]:

@@ -24,7 +24,8 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
     """The model (initialized from ``cfg.seed`` alone: every optimizer of a seed starts from the
     same weights), its module and the data module."""
     task: LanguageTaskConfig = OmegaConf.to_object(cfg.task)
-    vocab = pad_vocab(shard_vocab_size(task.data), task.model.vocab_multiple)
+    tokens = shard_vocab_size(task.data)
+    vocab = pad_vocab(tokens, task.model.vocab_multiple)
     tie = task.model.tie_embeddings
     extra = {} if tie is None else {"tie_embeddings": tie}
     if task.model.arch == "hf":
@@ -39,4 +40,4 @@ def build(cfg) -> tuple[LanguageModule, LanguageDataModule]:
         peak_tflops=task.peak_tflops, optimizer=cfg.optimizer, schedule=cfg.schedule,
         compile=cfg.trainer.compile,
     )
-    return module, LanguageDataModule(task.data, seed=cfg.seed)
+    return module, LanguageDataModule(task.data, seed=cfg.seed, vocab_size=tokens)

@@ -255,7 +255,7 @@ class Cifar10DataModule(TaskDataModule):
         return DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
             num_workers=self.config.num_workers, persistent_workers=self.config.num_workers > 0,
-            collate_fn=_as_batch, pin_memory=pin,
+            collate_fn=_as_batch, pin_memory=pin, worker_init_fn=self.worker_init_fn(),
         )
 
     def train_dataloader(self) -> DataLoader:

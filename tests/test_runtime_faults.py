@@ -1,0 +1,394 @@
+"""Fault injection on training runs: names that would leave runs/, folders that are not run
+folders, damaged checkpoints, a full disk, divergence, SIGINT/SIGTERM, a damaged metrics.json.
+Each case ends in one line and loses nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import Losses, StopAt, tiny
+
+from muoneq.cli import main
+from muoneq.errors import DiskFull
+from muoneq.runtime import ConfigError, compose, train
+from muoneq.runtime import checkpoints as ckpts
+from muoneq.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def one_line(err: str, ranks: int = 1) -> str:
+    """The one ``muoneq:`` line of ``err`` (every one of ``ranks`` processes prints its own)."""
+    lines = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    assert len(lines) == ranks and len(set(lines)) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file()}
+
+
+# ----------------------------------------------------------------------------- run names
+@pytest.mark.parametrize("name", ["..", ".", "../../x", "a/b", "x;rm", "$(id)", "a`b`"])
+def test_a_run_name_is_one_folder_name(tmp_path, capsys, name):
+    with pytest.raises(ConfigError, match=r"run\.name=.*one folder name"):
+        compose(tiny(tmp_path, f"run.name={name}"))
+    runs = f"run.root={tmp_path / 'runs'}"
+    assert main(["train", *tiny(tmp_path, f"run.name={name}", runs)]) == 2
+    assert "run.name=" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_folder_muoneq_did_not_make_is_never_taken_over(tmp_path, capsys):
+    """run.name=.. used to make a run take over a folder holding a config.yaml: its
+    checkpoints/ and tensorboard/ deleted, its config.yaml overwritten."""
+    mine = tmp_path / "project"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "checkpoints" / "model.pt").write_bytes(b"weights")
+    (mine / "tensorboard").mkdir()
+    (mine / "tensorboard" / "events").write_bytes(b"curves")
+    (mine / "config.yaml").write_text("lr: 0.1\n")
+    before = tree(mine)
+    for extra in ([], ["resume=auto"]):
+        assert main(["train", *tiny(tmp_path, f"run.dir={mine}", *extra)]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "config.yaml that muoneq train did not write" in line and str(mine) in line
+    (mine / "config.yaml").unlink()  # no config.yaml, but folders of the same names
+    assert main(["train", *tiny(tmp_path, f"run.dir={mine}")]) == 2
+    assert "is not a run folder of muoneq train" in one_line(capsys.readouterr().err)
+    del before["config.yaml"]
+    assert tree(mine) == before
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: 3 epochs of 4 steps, every step's loss."""
+    tmp = tmp_path_factory.mktemp("reference")
+    torch.set_num_threads(1)
+    losses = Losses()
+    train(compose(tiny(tmp, "trainer.max_epochs=3", f"run.dir={tmp / 'run'}")), callbacks=[losses])
+    return tmp, losses.by_step
+
+
+def flip_a_tensor_byte(checkpoint: Path) -> None:
+    """Flip one byte inside a tensor of the archive (the zip stays valid)."""
+    with zipfile.ZipFile(checkpoint) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)  # the largest tensor
+        offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        offset += info.file_size // 2
+    data = bytearray(checkpoint.read_bytes())
+    data[offset] ^= 0xFF
+    checkpoint.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["sha256", "crc32-only"])
+def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, capsys, checksums):
+    data_dir, reference_losses = reference
+    run = tmp_path / "run"
+    args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={run}",
+                "trainer.checkpoint_every_n_steps=3")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(8)])
+    folder = run / "checkpoints"
+    six = folder / "last-step000000006.ckpt"
+    assert (folder / "last-step000000006.ckpt.sha256").read_text().split() == [
+        ckpts._sha256(six), six.name]  # sha256sum's format
+    saved = {p.name: p.read_bytes() for p in folder.glob("last-step000000006.ckpt*")}
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose([*args, "resume=auto"]), callbacks=[StopAt(11)])
+    assert [p.name for _, p in ckpts.last_checkpoints(run)] == ["last-step000000009.ckpt"]
+    # a kill between step 9's rename and the pruning of step 6 leaves both
+    for name, data in saved.items():
+        (folder / name).write_bytes(data)
+    nine = folder / "last-step000000009.ckpt"
+    flip_a_tensor_byte(nine)
+    (folder / ".last-step000000010.ckpt.tmp").write_bytes(b"a write cut short by a kill")
+    damaged = nine.read_bytes()
+    if not checksums:  # a checkpoint written before the checksums: torch's CRC-32s
+        for p in folder.glob("*.sha256"):
+            p.unlink()
+    capsys.readouterr()
+
+    losses = Losses()
+    metrics = train(compose([*args, "resume=auto"]), callbacks=[losses])
+    out = capsys.readouterr().out
+    assert f"muoneq: note: {nine} is damaged (" in out
+    assert "kept as last-step000000009.ckpt.damaged and the run resumes from " \
+           "last-step000000006.ckpt" in out
+    assert min(losses.by_step) == 7 and metrics["global_step"] == 12
+    for step, loss in losses.by_step.items():
+        assert loss == reference_losses[step], step
+    assert (folder / "last-step000000009.ckpt.damaged").read_bytes() == damaged
+    # the older resume points are pruned once a newer one is complete; the damaged one stays
+    assert sorted(p.name for p in folder.iterdir()) == sorted([
+        "last-step000000012.ckpt",
+        "last-step000000012.ckpt.sha256", "last-step000000009.ckpt.damaged",
+        *(["last-step000000009.ckpt.sha256.damaged"] if checksums else [])])
+
+
+def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
+    data_dir, _ = reference
+    run = tmp_path / "run"
+    args = tiny(data_dir, "trainer.max_epochs=1", f"run.dir={run}",
+                "trainer.checkpoint_every_n_steps=2")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(3)])
+    two = run / "checkpoints" / "last-step000000002.ckpt"
+    two.write_bytes(two.read_bytes()[:-100])  # cut short
+    assert main(["train", *args]) == 2  # resume=never still refuses a folder with checkpoints
+    assert "pass resume=auto" in one_line(capsys.readouterr().err)
+    assert main(["train", *args, "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "no intact checkpoint is left: the run starts over" in out
+    assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 4
+
+
+def test_checkpoint_io_writes_in_place_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    io = ChecksummedCheckpointIO()
+    target = tmp_path / "best.ckpt"
+    # no temporary file under $TMPDIR: the rename stays on the checkpoint's file system
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "no-such-folder"))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    io.save_checkpoint({"w": torch.arange(10.0)}, target)
+    old = target.read_bytes()
+    assert torch.equal(io.load_checkpoint(target)["w"], torch.arange(10.0))
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpts._HashingWriter, "write", full)
+    with pytest.raises(DiskFull, match=r"no space left on the disk holding .*best\.ckpt"):
+        io.save_checkpoint({"w": torch.zeros(10)}, target)
+    assert target.read_bytes() == old and ckpts.damage(target) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.ckpt", "best.ckpt.sha256"]
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_one_line(tmp_path):
+    path = tmp_path / "x.ckpt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02garbage")
+    with pytest.raises(CheckpointError) as err:
+        ChecksummedCheckpointIO().load_checkpoint(path)
+    assert str(err.value).startswith(f"{path} cannot be loaded (")
+    assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_full_disk_while_training_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}")
+    real_init, real_write = ckpts._HashingWriter.__init__, ckpts._HashingWriter.write
+    opened = []
+
+    def counting_init(self, file):
+        opened.append(file.name)
+        real_init(self, file)
+
+    def fills_up(self, data):
+        if len(opened) > 1:  # the second checkpoint (step 8) does not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(ckpts._HashingWriter, "__init__", counting_init)
+    monkeypatch.setattr(ckpts._HashingWriter, "write", fills_up)
+    assert main(["train", *args]) == 4
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("muoneq: no space left on the disk holding "
+                           f"{run / 'checkpoints' / 'last-step000000008.ckpt'} (")
+    assert line.endswith("GiB free); free space there (old runs, checkpoints) or write to a "
+                         "larger disk; then continue the run with resume=auto")
+    assert not list(run.rglob("*.tmp")) and ckpts.resume_point(run) == (
+        run / "checkpoints" / "last-step000000004.ckpt", [])
+    monkeypatch.setattr(ckpts._HashingWriter, "write", real_write)
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert "resuming" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- results
+def test_a_damaged_metrics_json_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")
+    assert main(["train", *args]) == 0
+    text = (run / "metrics.json").read_text()
+    (run / "metrics.json").write_text(text[: len(text) // 2])
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"muoneq: {run / 'metrics.json'} is damaged (JSONDecodeError")
+    assert "delete it and run again with resume=auto" in line
+
+
+@pytest.mark.parametrize("patience", [0, 2])
+def test_divergence_stops_the_run_and_says_so(tmp_path, capsys, patience):
+    run = tmp_path / "run"
+    common = ["trainer.max_epochs=3", "optimizer.lr=1e30"]
+    args = tiny(tmp_path, *common, f"run.dir={run}", f"trainer.divergence_patience={patience}")
+    # where the loss stops being finite, from a run that is not stopped
+    probe = Losses()
+    train(compose(tiny(tmp_path, *common, f"run.dir={tmp_path / 'probe'}",
+                       "trainer.divergence_patience=null")), callbacks=[probe])
+    first = min(s for s, v in probe.by_step.items() if not torch.isfinite(torch.tensor(v)))
+    assert all(not torch.isfinite(torch.tensor(v)) for s, v in probe.by_step.items() if s > first)
+
+    assert main(["train", *args]) == 3
+    line = one_line(capsys.readouterr().err)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "diverged" and metrics["final"] is None
+    assert metrics["diverged_at_step"] == metrics["global_step"] == first + patience < 12
+    assert metrics["diverged"].startswith("the training loss is not finite (")
+    assert line == (f"muoneq: {run} diverged at step {first + patience}: {metrics['diverged']}; "
+                    "its metrics.json says \"status\": \"diverged\" (lower optimizer.lr, or "
+                    "raise trainer.divergence_patience to tolerate isolated non-finite values)")
+    assert not ckpts.last_checkpoints(run)  # no non-finite weights saved as a resume point
+    # resume=auto reads the verdict back: the same line and status, nothing trained
+    before = tree(run)
+    assert main(["train", *args, "resume=auto"]) == 3
+    assert one_line(capsys.readouterr().err) == line and tree(run) == before
+
+
+def test_a_non_finite_validation_metric_stops_the_run():
+    from types import SimpleNamespace
+
+    from muoneq.runtime.callbacks import Divergence, Stop
+
+    trainer = SimpleNamespace(
+        sanity_checking=False, state=SimpleNamespace(fn="fit"), global_step=7,
+        callback_metrics={"val/loss": torch.tensor(float("inf"))},
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda flag, all: flag))
+    guard = Divergence(patience=1, monitor="val/loss")
+    guard.on_validation_end(trainer, None)  # tolerated once
+    with pytest.raises(Stop) as stop:
+        guard.on_validation_end(trainer, None)
+    assert (stop.value.step, stop.value.what) == (7, "val/loss is not finite (inf)")
+    trainer.callback_metrics["val/loss"] = torch.tensor(2.0)
+    guard.on_validation_end(trainer, None)
+    assert guard.in_a_row == 0  # "in a row": a finite value starts the count again
+
+
+def test_divergence_can_be_switched_off(tmp_path):
+    metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={tmp_path / 'r'}",
+                                 "optimizer.lr=1e30", "trainer.divergence_patience=null")))
+    assert metrics["status"] == "finished" and metrics["global_step"] == 4
+    with pytest.raises(ConfigError, match=r"trainer\.divergence_patience: must be ≥ 0"):
+        compose(tiny(tmp_path, "trainer.divergence_patience=-1"))
+
+
+# ----------------------------------------------------------------------------- signals
+def signal_mid_run(args: list[str], tmp_path: Path, signum: int, *, group: bool = False):
+    """Run ``muoneq train args`` (logging every step), send ``signum`` once it has done 6
+    steps (to its whole process group with ``group``, as SLURM does); return the last step it
+    printed, its exit status, its one-line message and the step that message names."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "stderr.txt").open("w+")
+    process = subprocess.Popen([sys.executable, "-m", "muoneq", "train", *args,
+                                "trainer.progress=log", "trainer.log_every_n_steps=1"],
+                               env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                               start_new_session=group)
+    seen = 0
+    for line in process.stdout:
+        if line.startswith("epoch ") and " step " in line:
+            seen = int(line.split()[3].split("/")[0])
+            if seen >= 6:
+                break
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
+    process.communicate(timeout=120)
+    log.seek(0)
+    err = log.read()
+    assert process.returncode == 128 + signum, err[-2000:]
+    name = signal.Signals(signum).name
+    line = one_line("\n".join(x for x in err.splitlines() if f"stopped by {name}" in x
+                               or "Traceback" in x))  # other ranks: "a signal on another rank"
+    step = int(line.split(" after step ")[1].split(",")[0])
+    assert seen <= step < seen + 5  # the step it was at (a few more may have run meanwhile)
+    return line, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, signum):
+    """A real process gets SIGINT (Ctrl-C) or SIGTERM (SLURM) mid-epoch: it saves the step it
+    is at, exits 130/143 with the command that continues it, and that command continues the
+    uninterrupted run's trajectory exactly."""
+    epochs = 20  # 80 steps, long enough to be signalled mid-run
+    args = tiny(tmp_path, f"trainer.max_epochs={epochs}", f"run.dir={tmp_path / 'run'}")
+    line, step = signal_mid_run(args, tmp_path, signum)
+    assert (tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt").is_file()
+    command = line.split("continue it with: ")[1]
+    words = shlex.split(command)
+    assert words[:2] == ["muoneq", "train"] and words[-1] == "resume=auto"
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+    losses = Losses()
+    train(compose(words[2:]), callbacks=[losses])
+    assert min(losses.by_step) == step + 1  # nothing redone: at most the current step lost
+    reference = Losses()
+    train(compose(tiny(tmp_path, f"trainer.max_epochs={epochs}", f"run.dir={tmp_path / 'ref'}",
+                       "trainer.progress=quiet")), callbacks=[reference])
+    for s, loss in losses.by_step.items():
+        assert loss == reference.by_step[s], s
+
+
+def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):
+    folder = tmp_path / "checkpoints" / "last-step000000004.ckpt"
+    folder.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", "meta.pt", ".metadata"):
+        (folder / name).write_bytes(name.encode() * 100)
+    ckpts.record_folder_checksums(folder)
+    assert ckpts.damage(folder) is None
+    shard = folder / "__1_0.distcp"
+    shard.write_bytes(b"X" + shard.read_bytes()[1:])
+    assert ckpts.damage(folder) == (
+        "the SHA-256 of last-step000000004.ckpt/__1_0.distcp differs from the one in "
+        "last-step000000004.ckpt.sha256")
+    shard.unlink()
+    assert ckpts.damage(folder) == "last-step000000004.ckpt/__1_0.distcp is missing"
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_with_loader_workers_still_saves(tmp_path):
+    """SLURM signals every process of a job, the loader workers too: they keep serving until
+    the main process has finished its step and saved it."""
+    args = tiny(tmp_path, "trainer.max_epochs=20", f"run.dir={tmp_path / 'run'}",
+                "task.data.num_workers=2")
+    _, step = signal_mid_run(args, tmp_path, signal.SIGTERM, group=True)
+    assert ckpts.resume_point(tmp_path / "run") == (
+        tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt", [])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ddp_processes_stop_together(tmp_path):
+    """Divergence and a signal that reaches rank 0 only stop both processes at the same step
+    (the callbacks decide together), with the same outcome as one process."""
+    ddp = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "diverged"
+    done = subprocess.run([sys.executable, "-m", "muoneq", "train",
+                           *tiny(tmp_path, *ddp, "trainer.max_epochs=4", f"run.dir={run}",
+                                 "optimizer.lr=1e30")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "diverged" and metrics["world_size"] == 2
+    line = one_line(done.stderr, ranks=2)
+    assert f"diverged at step {metrics['diverged_at_step']}: " in line
+
+    args = tiny(tmp_path, *ddp, "trainer.max_epochs=40", f"run.dir={tmp_path / 'run'}")
+    _, step = signal_mid_run(args, tmp_path, signal.SIGTERM)  # to rank 0 only
+    assert ckpts.resume_point(tmp_path / "run") == (
+        tmp_path / "run" / "checkpoints" / f"last-step{step:09d}.ckpt", [])

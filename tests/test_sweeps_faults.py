@@ -1,0 +1,158 @@
+"""Fault injection on sweeps: a journal cut mid-record (at every byte of its last record), a
+journal appended onto a cut record, a malformed sweep file, a full disk in a worker thread, a
+trial that diverged."""
+
+from __future__ import annotations
+
+import errno
+import shlex
+import subprocess
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+from test_sweeps import options, write_sweep
+
+from muoneq.errors import DiskFull
+from muoneq.sweeps import Driver, SweepError, launch, load_sweep
+from muoneq.sweeps.storage import JournalError, open_storage
+from muoneq.sweeps.trial_record import TrialRecord
+from muoneq.sweeps.verdict import judge
+
+
+def trials_of(storage) -> list[tuple]:
+    study = optuna.load_study(study_name="s", storage=storage)
+    return [(t.number, t.state, t.params, t.values, t.user_attrs) for t in study.get_trials()]
+
+
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory) -> tuple[bytes, int]:
+    """A study's journal (3 trials; the last record completes the third) and the offset where
+    its last record starts."""
+    path = tmp_path_factory.mktemp("journal") / "optuna.journal"
+    study = optuna.create_study(study_name="s",
+                                storage=JournalStorage(JournalFileBackend(str(path))))
+    for i in range(3):
+        trial = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1, log=True)})
+        trial.set_user_attr("run_key", f"lr={trial.params['lr']:.3g}")
+        study.tell(trial, 0.1 * i)
+    data = path.read_bytes()
+    return data, data.rstrip(b"\n").rfind(b"\n") + 1
+
+
+def test_a_journal_cut_at_any_byte_of_its_last_record_is_repaired(journal, tmp_path, capsys):
+    data, start = journal
+    path = tmp_path / "optuna.journal"
+    path.write_bytes(data[:start])
+    before = trials_of(open_storage(f"journal:{path}", tmp_path))  # without the last record
+    path.write_bytes(data)
+    whole = trials_of(open_storage(f"journal:{path}", tmp_path))
+    assert before != whole and whole[-1][1] == TrialState.COMPLETE
+    capsys.readouterr()
+    for cut in range(start, len(data)):
+        path.write_bytes(data[:cut])
+        storage = open_storage(f"journal:{path}", tmp_path)
+        err = capsys.readouterr().err
+        if cut == start:  # a cut between records: nothing to repair
+            assert err == ""
+        else:
+            assert err == (f"muoneq: note: {path}: dropped a last record cut short by a crash or "
+                           f"a full disk ({cut - start} bytes, an operation that never "
+                           "completed)\n"), cut
+        assert path.read_bytes() == data[:start], cut
+        assert trials_of(storage) == before, cut
+    # the repaired study goes on: the next driver's records are read back
+    study = optuna.load_study(study_name="s", storage=storage)
+    study.tell(study.ask(), 1.0)
+    assert len(trials_of(open_storage(f"journal:{path}", tmp_path))) == len(before) + 1
+
+
+def test_a_cut_record_that_was_appended_onto_is_refused_with_the_fix(journal, tmp_path):
+    data, start = journal
+    path = tmp_path / "optuna.journal"
+    last = data[start:]
+    path.write_bytes(data[:start] + last[:25] + last)  # the old behaviour: appended onto a cut
+    with pytest.raises(JournalError) as err:
+        open_storage(f"journal:{path}", tmp_path)
+    line = data[:start].count(b"\n") + 1
+    message = str(err.value)
+    assert message.startswith(f"{path}: line {line} is not a whole Optuna journal record")
+    command = message.split("remove that line to recover every other record: ")[1]
+    assert command == f"sed -i '{line}d' {shlex.quote(str(path))}"
+    subprocess.run(shlex.split(command), check=True)
+    assert trials_of(open_storage(f"journal:{path}", tmp_path))[:-1] == trials_of(
+        JournalStorage(JournalFileBackend(str(_write(tmp_path / "ref", data))))
+    )[:-1]
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_a_malformed_sweep_file_is_one_line(tmp_path, capsys):
+    from muoneq.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("study: x\ngrid:\n  - optimizer: [muon\n    lr: 1\n")
+    with pytest.raises(SweepError) as err:
+        load_sweep(bad)
+    assert str(err.value).startswith(f"{bad}: line 4, column 7: did not find expected ',' or ']'")
+    assert "not valid YAML" in str(err.value)
+    assert main(["sweep", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"muoneq: {bad}: line 4") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_a_full_disk_in_a_worker_thread_stops_the_sweep_with_one_line(tmp_path, monkeypatch):
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0]))
+
+    def no_space(argv, run_dir, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / launch.LOG_NAME))
+
+    monkeypatch.setattr(launch, "run_process", no_space)
+    with pytest.raises(DiskFull) as err:
+        Driver(spec, options(tmp_path, workers=2)).run()
+    message = str(err.value)
+    assert message.startswith("no space left on the disk holding ")
+    assert f"/{launch.LOG_NAME} (" in message and message.endswith(
+        "then run the same sweep command to continue")
+
+
+def test_a_trial_that_diverged_is_recorded_as_diverged():
+    metrics = {"status": "diverged", "diverged_at_step": 7, "val/ppl": None,
+               "diverged": "the training loss is not finite (nan)"}
+    verdict = judge([launch.Outcome("complete", metrics, returncode=3)], [0], "val/ppl")
+    assert (verdict.state, verdict.outcome) == (TrialState.FAIL, "diverged")
+    assert verdict.message == "diverged at step 7: the training loss is not finite (nan)"
+    # a best value from before the divergence does not make it a result
+    metrics["best"] = 3.2
+    assert judge([launch.Outcome("complete", metrics)], [0], "best").outcome == "diverged"
+
+
+def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
+    """Two drivers claim the same run; each wrote its claim before looking, but only the
+    lower-numbered one saw the other's (the case that ran a run twice on PostgreSQL)."""
+    import threading
+
+    driver = Driver(load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0])), options(tmp_path))
+    ledger, study, key = driver.ledger, driver.study, "a run"
+    first, second = study.ask(), study.ask()
+    for trial in (first, second):
+        ledger.write(trial.number, TrialRecord(run_key=key))
+    assert ledger.duplicate_of(second.number, key) == first.number  # the later one sees it
+    # ... or it did not, and went on
+    ledger.write(second.number, TrialRecord(driver="the other driver"))
+    assert ledger.duplicate_of(first.number, key) == second.number
+    # undecided: the earlier claim waits for the later one's decision (here: it skips)
+    third, fourth = study.ask(), study.ask()
+    for trial in (third, fourth):
+        ledger.write(trial.number, TrialRecord(run_key="another run"))
+    decide = threading.Timer(0.5, ledger.write, (fourth.number, TrialRecord(outcome="skipped")))
+    decide.start()
+    assert ledger.duplicate_of(third.number, "another run") is None
+    decide.join()
