@@ -271,20 +271,42 @@ def route(
     splits: Mapping[str, Iterable[int]] | None = None,
     split_fused: bool = False,
 ) -> list[Route]:
-    """The decision for every parameter of ``model`` (see :func:`param_groups`)."""
+    """The decision for every parameter of ``model`` (see :func:`param_groups`): each is
+    classified by the first rule that applies (:func:`_classify`), then a matrix takes the
+    caller's layout overrides and its fused blocks (:func:`_apply_layout`); last, every option
+    must have matched a matrix and every layout must fit its tensor (:func:`_check_routes`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"param_groups: expected the model (an nn.Module), got {type(model).__name__}: "
             "pass the model itself, param_groups(model) (its layers decide the routing), or "
             "hand your own groups of model.named_parameters() to the optimizer"
         )
-    head_names, adamw_names = tuple(head_names), tuple(adamw_names)
+    adamw_names = tuple(adamw_names)
     transposed, stacked = list(transposed), list(stacked)
     splits = {k: tuple(v) for k, v in (splits or {}).items()}
-    heads = _head_modules(model, head_names)
+    heads = _head_modules(model, tuple(head_names))
     inputs = _input_modules(model) if adamw_first_conv else {}
+    owners = _owners(model)
+    routes: list[Route] = []
+    for name, p in model.named_parameters():
+        entries = owners[id(p)]
+        r = _classify(name, p, entries, heads, inputs, adamw_names)
+        if r.path == "matrix":
+            _, _, module, parent = next(e for e in entries if e[0] == name)
+            _apply_layout(r, module, parent, transposed, stacked, splits, split_fused)
+        routes.append(r)
+    _check_routes(routes, transposed, stacked, splits)
+    return routes
 
-    owners: dict[int, list[tuple[str, str, nn.Module, nn.Module | None]]] = {}
+
+#: One name under which a module holds a parameter: (full name, name on the module, the
+#: module, its parent).
+_Owner = tuple[str, str, nn.Module, nn.Module | None]
+
+
+def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
+    """``id(parameter) → every name it is held under`` (a tied tensor has several)."""
+    owners: dict[int, list[_Owner]] = {}
     parents: dict[str, nn.Module] = {}
     for module_name, module in model.named_modules():
         parents[module_name] = module
@@ -293,67 +315,87 @@ def route(
         for pname, p in module.named_parameters(recurse=False):
             full = f"{module_name}.{pname}" if module_name else pname
             owners.setdefault(id(p), []).append((full, pname, module, parent))
+    return owners
 
-    routes: list[Route] = []
-    for name, p in model.named_parameters():
-        entries = owners[id(p)]
-        also = [full for full, *_ in entries if full != name]
-        r = Route(name, p, "adamw", "", also=also)
-        routes.append(r)
-        modules = [module for _, _, module, _ in entries]
-        _, pname, module, parent = next(e for e in entries if e[0] == name)
-        kind = _linear_map(module)
-        if not p.requires_grad:
-            r.path, r.rule = "frozen", "frozen"
-        elif any(s in name for s in adamw_names):
-            r.rule = "adamw_names"
-        elif p.ndim < 2:
-            r.rule = "vector"
-        elif any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in modules):
-            r.rule = "embedding"
-            tied = [full for full, _, m, _ in entries if id(m) in heads or _linear_map(m)]
-            r.detail = f"tied to {', '.join(tied)}" if tied else ""
-        elif any(id(m) in heads for m in modules):
-            r.rule, r.detail = "head", next(heads[id(m)] for m in modules if id(m) in heads)
-        elif any(id(m) in inputs for m in modules):
-            r.rule, r.detail = "input", next(inputs[id(m)] for m in modules if id(m) in inputs)
-        elif kind is not None:
-            r.path, r.rule, r.detail = "matrix", "linear", _describe_module(module)
-            if kind == "transposed":
-                r.layout["transposed"] = True
-                r.detail += ", stored (in, out)"
-        elif (bank := _experts(module)) is not None and not pname.endswith("bias"):
-            r.path, r.rule, r.detail = "matrix", "experts", type(module).__name__
-            r.layout["batch_dims"] = 1
-            if bank:
-                r.layout["transposed"] = True
-                r.detail += ", stored (experts, in, out)"
-        elif (what := next((w for rx, w in _NOT_A_MAP if rx.search(pname.lower())), None)):
-            r.rule, r.detail = "not_a_map", what
-        elif sum(size > 1 for size in p.shape) <= 1:
-            r.rule, r.detail = "not_a_map", "at most one dimension above 1"
-        else:
-            r.path, r.rule, r.detail = "matrix", "free", type(module).__name__
-        if r.path != "matrix":
-            continue
-        if _matches(transposed, name, p):
+
+def _classify(name: str, p: Tensor, entries: list[_Owner], heads: dict[int, str],
+              inputs: dict[int, str], adamw_names: tuple[str, ...]) -> Route:
+    """The first rule of :data:`RULES` that applies to ``p``, with what it found: a pure
+    reading of the model, before any layout option."""
+    r = Route(name, p, "adamw", "", also=[full for full, *_ in entries if full != name])
+    modules = [module for _, _, module, _ in entries]
+    _, pname, module, _ = next(e for e in entries if e[0] == name)
+    if not p.requires_grad:
+        r.path, r.rule = "frozen", "frozen"
+    elif any(s in name for s in adamw_names):
+        r.rule = "adamw_names"
+    elif p.ndim < 2:
+        r.rule = "vector"
+    elif any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in modules):
+        r.rule = "embedding"
+        tied = [full for full, _, m, _ in entries if id(m) in heads or _linear_map(m)]
+        r.detail = f"tied to {', '.join(tied)}" if tied else ""
+    elif any(id(m) in heads for m in modules):
+        r.rule, r.detail = "head", next(heads[id(m)] for m in modules if id(m) in heads)
+    elif any(id(m) in inputs for m in modules):
+        r.rule, r.detail = "input", next(inputs[id(m)] for m in modules if id(m) in inputs)
+    else:
+        _classify_weight(r, pname, module)
+    return r
+
+
+def _classify_weight(r: Route, pname: str, module: nn.Module) -> None:
+    """The rules for a ≥2-D trainable tensor outside embeddings, head and input layer: a
+    linear map, an expert bank, a parameter that is no map, or a free matrix."""
+    kind = _linear_map(module)
+    if kind is not None:
+        r.path, r.rule, r.detail = "matrix", "linear", _describe_module(module)
+        if kind == "transposed":
             r.layout["transposed"] = True
-            r.detail += ", transposed= override"
-        if _matches(stacked, name, p):
-            r.layout["batch_dims"] = 1
-            r.detail += ", stacked= override"
-        out = MatrixLayout(tuple(p.shape), **r.layout).matrix[0]
-        explicit = [v for k, v in splits.items() if fnmatch.fnmatchcase(name, k)]
-        blocks, what = _fused_splits(name, module, parent, out)
-        if explicit:
-            r.layout["splits"] = explicit[0]
-            r.detail += f", splits={list(explicit[0])}"
-        elif what and blocks and split_fused:
-            r.layout["splits"] = blocks
-            r.detail += f", {what}: split"
-        elif what:
-            r.detail += f", {what}" + ("" if blocks is None else " (whole; split_fused=True "
-                                                                 "splits it)")
+            r.detail += ", stored (in, out)"
+    elif (bank := _experts(module)) is not None and not pname.endswith("bias"):
+        r.path, r.rule, r.detail = "matrix", "experts", type(module).__name__
+        r.layout["batch_dims"] = 1
+        if bank:
+            r.layout["transposed"] = True
+            r.detail += ", stored (experts, in, out)"
+    elif (what := next((w for rx, w in _NOT_A_MAP if rx.search(pname.lower())), None)):
+        r.rule, r.detail = "not_a_map", what
+    elif sum(size > 1 for size in r.param.shape) <= 1:
+        r.rule, r.detail = "not_a_map", "at most one dimension above 1"
+    else:
+        r.path, r.rule, r.detail = "matrix", "free", type(module).__name__
+
+
+def _apply_layout(r: Route, module: nn.Module, parent: nn.Module | None,
+                  transposed: list, stacked: list, splits: dict[str, tuple[int, ...]],
+                  split_fused: bool) -> None:
+    """A matrix's ``transposed=``/``stacked=`` overrides, then its blocks: the caller's
+    ``splits=`` first, else a known fused layout (split only with ``split_fused``)."""
+    if _matches(transposed, r.name, r.param):
+        r.layout["transposed"] = True
+        r.detail += ", transposed= override"
+    if _matches(stacked, r.name, r.param):
+        r.layout["batch_dims"] = 1
+        r.detail += ", stacked= override"
+    out = MatrixLayout(tuple(r.param.shape), **r.layout).matrix[0]
+    explicit = [v for k, v in splits.items() if fnmatch.fnmatchcase(r.name, k)]
+    blocks, what = _fused_splits(r.name, module, parent, out)
+    if explicit:
+        r.layout["splits"] = explicit[0]
+        r.detail += f", splits={list(explicit[0])}"
+    elif what and blocks and split_fused:
+        r.layout["splits"] = blocks
+        r.detail += f", {what}: split"
+    elif what:
+        r.detail += f", {what}" + ("" if blocks is None else " (whole; split_fused=True "
+                                                             "splits it)")
+
+
+def _check_routes(routes: list[Route], transposed: list, stacked: list,
+                  splits: dict[str, tuple[int, ...]]) -> None:
+    """Every ``transposed``/``stacked``/``splits`` pattern matched a matrix-path parameter,
+    and every matrix's layout fits its tensor."""
     for option, patterns in (("transposed", transposed), ("stacked", stacked),
                              ("splits", list(splits))):
         for pattern in patterns:
@@ -365,7 +407,6 @@ def route(
     for r in routes:
         if r.path == "matrix":
             MatrixLayout(tuple(r.param.shape), **r.layout).check()
-    return routes
 
 
 def _describe_module(module: nn.Module) -> str:
