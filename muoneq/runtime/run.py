@@ -25,6 +25,7 @@ import shlex
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple, NoReturn
 
 import lightning as L
 import torch
@@ -176,37 +177,9 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     started = time.perf_counter()
     check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
-    metrics_path = run_dir / METRICS_FILE
-    finished = metrics_path.is_file()
-    stored = [] if finished else checkpoints.last_checkpoints(run_dir)
-    previous = record.read_record(run_dir)
-    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
-        raise RunFolderError(
-            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
-            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
-            "run.name")
-    checkpoint, damaged = None, []
-    if finished or stored:
-        what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
-        if cfg.resume is not Resume.auto:
-            raise RunFolderError(
-                f"{run_dir} holds {what}; pass resume=auto to "
-                f"{'read its results' if finished else 'continue it'}, or start a new run in "
-                "another folder (another run.dir or run.name)")
-        if previous is None:
-            raise RunFolderError(
-                f"{run_dir} holds {what} but no {CONFIG_FILE}, so what it ran cannot be "
-                "checked; start the run in another folder (another run.dir or run.name)")
-        record.check_same_run(run_dir, previous, cfg, finished=finished)
-        if finished:
-            metrics = _read_finished(metrics_path)
-            if metrics.get("status") == "diverged":
-                raise diverged_error(run_dir, metrics.get("diverged_at_step"),
-                                     metrics.get("diverged"))
-            print(f"muoneq: {run_dir} already finished with these settings; its {METRICS_FILE} "
-                  "is the result (nothing to do)")
-            return metrics
-        checkpoint, damaged = checkpoints.resume_point(run_dir)
+    start = _resume_or_refuse(cfg, run_dir)
+    if start.finished is not None:
+        return start.finished
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
@@ -216,67 +189,139 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
         cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
         callbacks=callbacks,
     )
-    if checkpoint is not None:
-        record.check_same_run(run_dir, previous, cfg, finished=False,
+    if start.checkpoint is not None:
+        record.check_same_run(run_dir, start.previous, cfg, finished=False,
                               world_size=trainer.world_size)
     if trainer.is_global_zero:
-        auto = _auto_values(cfg, trainer)
-        then = (f"the run resumes from {checkpoint.name}" if checkpoint is not None else
-                "no intact checkpoint is left: the run starts over")
-        for path, reason in damaged:
-            kept = checkpoints.set_aside(path)
-            print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
-                  f"{then}")
-        if checkpoint is None:
-            if previous is not None:
-                _clear_attempt(run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
-        else:
-            checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
-            record.add_session(run_dir, previous, cfg, argv, checkpoint, auto)
-            print(f"muoneq: resuming {run_dir} from {checkpoint.name}")
-        summary = ["metrics/best", "metrics/final"] if module.monitor else []
-        if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view
-            _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
+        _open_session(trainer, cfg, module, run_dir, start, argv)
 
+    _fit(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv, started)
+    fit_metrics, best, final = _scores(trainer, module, datamodule)
+    return _write_metrics(trainer, cfg, module, run_dir, started, {
+        "status": "finished", "best": best, "final": final,
+        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
+        **_test_metrics(trainer, module, datamodule),
+    })
+
+
+class _Start(NamedTuple):
+    """Where :func:`train` starts: the folder's ``config.yaml`` record (``None``: a new run),
+    the checkpoint to resume from and the damaged ones set aside, or the figures of a run that
+    already finished (nothing to train)."""
+
+    previous: dict | None
+    checkpoint: Path | None = None
+    damaged: list[tuple[Path, str]] | tuple = ()
+    finished: dict | None = None
+
+
+def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
+    """Read ``run_dir`` under ``cfg.resume``: refuse a folder that is not a run folder, or that
+    holds another run or a finished one without ``resume=auto``; else say where to start."""
+    metrics_path = run_dir / METRICS_FILE
+    finished = metrics_path.is_file()
+    stored = [] if finished else checkpoints.last_checkpoints(run_dir)
+    previous = record.read_record(run_dir)
+    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
+        raise RunFolderError(
+            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
+            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
+            "run.name")
+    if not (finished or stored):
+        return _Start(previous)
+    what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
+    if cfg.resume is not Resume.auto:
+        raise RunFolderError(
+            f"{run_dir} holds {what}; pass resume=auto to "
+            f"{'read its results' if finished else 'continue it'}, or start a new run in "
+            "another folder (another run.dir or run.name)")
+    if previous is None:
+        raise RunFolderError(
+            f"{run_dir} holds {what} but no {CONFIG_FILE}, so what it ran cannot be "
+            "checked; start the run in another folder (another run.dir or run.name)")
+    record.check_same_run(run_dir, previous, cfg, finished=finished)
+    if finished:
+        metrics = _read_finished(metrics_path)
+        if metrics.get("status") == "diverged":
+            raise diverged_error(run_dir, metrics.get("diverged_at_step"),
+                                 metrics.get("diverged"))
+        print(f"muoneq: {run_dir} already finished with these settings; its {METRICS_FILE} "
+              "is the result (nothing to do)")
+        return _Start(previous, finished=metrics)
+    checkpoint, damaged = checkpoints.resume_point(run_dir)
+    return _Start(previous, checkpoint, damaged)
+
+
+def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,
+                  argv: list[str] | None) -> None:
+    """On rank 0: set the damaged checkpoints aside, record the session (a new run's
+    ``config.yaml``, or one more session of a resumed one) and declare the HParams view."""
+    auto = _auto_values(cfg, trainer)
+    then = (f"the run resumes from {start.checkpoint.name}" if start.checkpoint is not None
+            else "no intact checkpoint is left: the run starts over")
+    for path, reason in start.damaged:
+        kept = checkpoints.set_aside(path)
+        print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
+              f"{then}")
+    if start.checkpoint is None:
+        if start.previous is not None:
+            _clear_attempt(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
+    else:
+        checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
+        record.add_session(run_dir, start.previous, cfg, argv, start.checkpoint, auto)
+        print(f"muoneq: resuming {run_dir} from {start.checkpoint.name}")
+    summary = ["metrics/best", "metrics/final"] if module.monitor else []
+    if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view
+        _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
+
+
+def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
+         checkpoint: Path | None, argv: list[str] | None, started: float) -> None:
+    """``trainer.fit`` from ``checkpoint``; a divergence is recorded and raised as
+    :class:`~muoneq.errors.Diverged`, a signal as :class:`~muoneq.errors.Interrupted`."""
     try:
         with reporting_full_disk(run_dir, then="re-run the same command with resume=auto"):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     except Stop as stop:
         if stop.checkpoint is None:
-            return _diverged(trainer, cfg, module, run_dir, stop, started)
+            _diverged(trainer, cfg, module, run_dir, stop, started)
         raise Interrupted(
             f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
             f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
             f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+
+
+def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None, float | None]:
+    """The fit's last logged metrics and the best and final monitored values; the final weights
+    are validated once more when the budget ended between validations."""
     fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
-    best = final = None
-    if module.monitor is not None:
-        best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
-        if _callback(trainer, LastValidation).step != trainer.global_step:
-            # the budget ended between validations: validate the final weights once more
-            fit_metrics |= {k: _number(v) for k, v in trainer.validate(
-                module, datamodule=datamodule, verbose=False)[0].items()}
-            _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
-        final = fit_metrics.get(module.monitor)
-        scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
-        scores = [s for s in (*scores, final) if s is not None]
-        best = (max if module.monitor_mode == "max" else min)(scores) if scores else None
-        if trainer.is_global_zero:
-            trainer.logger.log_metrics(
-                {k: v for k, v in (("metrics/best", best), ("metrics/final", final))
-                 if v is not None}, step=trainer.global_step)
+    if module.monitor is None:
+        return fit_metrics, None, None
+    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
+    if _callback(trainer, LastValidation).step != trainer.global_step:
+        # the budget ended between validations: validate the final weights once more
+        fit_metrics |= {k: _number(v) for k, v in trainer.validate(
+            module, datamodule=datamodule, verbose=False)[0].items()}
+        _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
+    final = fit_metrics.get(module.monitor)
+    scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
+    scores = [s for s in (*scores, final) if s is not None]
+    best = (max if module.monitor_mode == "max" else min)(scores) if scores else None
+    if trainer.is_global_zero:
+        trainer.logger.log_metrics(
+            {k: v for k, v in (("metrics/best", best), ("metrics/final", final))
+             if v is not None}, step=trainer.global_step)
+    return fit_metrics, best, final
 
-    test_metrics = {}
-    if is_overridden("test_step", module) and is_overridden("test_dataloader", datamodule):
-        results = trainer.test(module, datamodule=datamodule, verbose=False)
-        test_metrics = {k: _number(v) for k, v in (results[0] if results else {}).items()}
 
-    return _write_metrics(trainer, cfg, module, run_dir, started, {
-        "status": "finished", "best": best, "final": final,
-        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")}, **test_metrics,
-    })
+def _test_metrics(trainer: L.Trainer, module, datamodule) -> dict:
+    """The test set's metrics, when the task defines a test step and data."""
+    if not (is_overridden("test_step", module) and is_overridden("test_dataloader", datamodule)):
+        return {}
+    results = trainer.test(module, datamodule=datamodule, verbose=False)
+    return {k: _number(v) for k, v in (results[0] if results else {}).items()}
 
 
 def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, started: float,
@@ -309,7 +354,7 @@ def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, s
 
 
 def _diverged(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, stop: Stop,
-              started: float) -> dict:
+              started: float) -> NoReturn:
     """Record a run that :class:`~muoneq.runtime.callbacks.Divergence` stopped: ``metrics.json``
     with ``"status": "diverged"``, the step and what was not finite, the best validation value
     before it; then raise :class:`~muoneq.errors.Diverged`."""
