@@ -17,7 +17,7 @@ from muoneq.report.figures import (
 )
 from muoneq.report.records import StudyData
 from muoneq.report.tables import Table, build_table, to_latex, to_markdown
-from muoneq.sweeps.report_spec import TableSpec
+from muoneq.sweeps.report_spec import HeatmapSpec, LineSpec, TableSpec
 from muoneq.sweeps.spec import SweepError
 
 
@@ -49,77 +49,20 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
 
         shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)  # this report replaces it
         writer = SummaryWriter(str(out_dir / "tensorboard"))
-    spec, axes = data.spec, data.axes
-    rep = spec.report
+    rep = data.spec.report
     tables = rep.tables or ([] if rep.heatmaps or rep.lines else [
-        TableSpec(name="table", select=[a for a in ("optimizer.lr",) if a in axes])])
+        TableSpec(name="table", select=[a for a in ("optimizer.lr",) if a in data.axes])])
     report = Report(out_dir, "")
-    parts = [f"# {spec.study}\n", f"{spec.description}\n" if spec.description else "",
-             f"{len(data.runs)} finished runs; objective {data.objective} "
-             f"({data.direction}).\n"]
-    if data.duplicates:
-        parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
-    plan_md = plan_report.to_markdown(data.plan)
-    if plan_md:
-        (out_dir / "plan.md").write_text(plan_md.lstrip())
-        report.files.append(out_dir / "plan.md")
-        parts.append(plan_md)
-        if writer is not None:
-            writer.add_text("plan", plan_md)
     # the grid as written first (its order), then whatever bracketing or a search added
-    points = [p.as_dict() for p in spec.points()] + [{a: r.get(a) for a in axes}
-                                                     for r in data.runs]
+    points = [p.as_dict() for p in data.spec.points()] + [{a: r.get(a) for a in data.axes}
+                                                          for r in data.runs]
     palette = Palette(points)  # one colour per method in every figure
-    for tspec in tables:
-        table = build_table(data.runs, tspec, axes, data.objective, data.direction, points)
-        found = paired.comparisons(table) if tspec.deltas else []
-        md = to_markdown(table) + paired.to_markdown(table, found)
-        figures = []
-        if found and tspec.speedup is not None:
-            speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,
-                                        tspec.name, writer, palette)
-            md += speedup.to_markdown(speedups, tspec.speedup)
-            figures = [s.path for s in speedups if s.path is not None]
-            report.files += [*figures, out_dir / f"speedup_{tspec.name}.csv"]
-        texts = {"md": md, "tex": to_latex(table)}
-        if found:
-            texts["paired.tex"] = paired.to_latex(table, found)
-        for suffix, text in texts.items():
-            path = out_dir / f"table_{tspec.name}.{suffix}"
-            path.write_text(text)
-            report.files.append(path)
-        if writer is not None:
-            writer.add_text(f"table/{tspec.name}", md)
-        report.tables.append(table)
-        parts.append(f"\n## Table: {tspec.name}\n\n{md}")
-        parts += [f"\n![{path.stem}]({path.name})\n" for path in figures]
-    for hspec in rep.heatmaps:
-        metric = hspec.metric or data.objective
-        direction = data.direction if metric == data.objective else "minimize"
-        panels = heatmaps(data.runs, hspec, axes, metric, direction, out_dir, writer)
-        report.files += [p.path for p in panels]
-        if panels:
-            md = robustness_markdown(panels, hspec, metric, direction)
-            (out_dir / "robustness.md").write_text(md)
-            report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
-            parts.append(f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}")
-            parts += [f"\n![{p.title}]({p.path.name})" for p in panels]
-            parts.append("\n\n![robustness](robustness.png)\n")
-    for lspec in rep.lines:
-        _, path = line_plot(data.runs, lspec, axes, data.objective, data.direction, out_dir,
-                            writer, palette)
-        report.files.append(path)
-        parts.append(f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n")
+    parts = [_header(data), _plan_section(data, report, writer)]
+    parts += [_table_section(data, tspec, points, palette, report, writer) for tspec in tables]
+    parts += [_heatmap_section(data, hspec, report, writer) for hspec in rep.heatmaps]
+    parts += [_line_section(data, lspec, palette, report, writer) for lspec in rep.lines]
     if rep.curves is not None:
-        curves = learning_curves(data.runs, rep.curves, axes, data.objective, data.direction,
-                                 out_dir, writer, palette)
-        for tag in rep.curves.tags:
-            if tag not in curves:
-                parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
-                continue
-            path = curves[tag].path
-            report.files.append(path)
-            parts.append(f"\n![{path.stem}]({path.name})\n")
+        parts.append(_curve_section(data, palette, report, writer))
     views = optuna_views.write_views(data, out_dir, writer)
     if views is not None:
         report.files += views.files
@@ -130,3 +73,95 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     (out_dir / "report.md").write_text(report.markdown)
     report.files.append(out_dir / "report.md")
     return report
+
+
+def _header(data: StudyData) -> str:
+    """The study's name, description, number of runs and objective."""
+    spec = data.spec
+    parts = [f"# {spec.study}\n", f"{spec.description}\n" if spec.description else "",
+             f"{len(data.runs)} finished runs; objective {data.objective} "
+             f"({data.direction}).\n"]
+    if data.duplicates:
+        parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
+    return "".join(parts)
+
+
+def _plan_section(data: StudyData, report: Report, writer) -> str:
+    """What the study's plan ran (``plan.md``), when it has one."""
+    plan_md = plan_report.to_markdown(data.plan)
+    if plan_md:
+        (report.out_dir / "plan.md").write_text(plan_md.lstrip())
+        report.files.append(report.out_dir / "plan.md")
+        if writer is not None:
+            writer.add_text("plan", plan_md)
+    return plan_md
+
+
+def _table_section(data: StudyData, tspec: TableSpec, points: list[dict], palette: Palette,
+                   report: Report, writer) -> str:
+    """One table (Markdown, LaTeX) with its paired differences and speedups."""
+    out_dir = report.out_dir
+    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points)
+    found = paired.comparisons(table) if tspec.deltas else []
+    md = to_markdown(table) + paired.to_markdown(table, found)
+    figures = []
+    if found and tspec.speedup is not None:
+        speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,
+                                    tspec.name, writer, palette)
+        md += speedup.to_markdown(speedups, tspec.speedup)
+        figures = [s.path for s in speedups if s.path is not None]
+        report.files += [*figures, out_dir / f"speedup_{tspec.name}.csv"]
+    texts = {"md": md, "tex": to_latex(table)}
+    if found:
+        texts["paired.tex"] = paired.to_latex(table, found)
+    for suffix, text in texts.items():
+        path = out_dir / f"table_{tspec.name}.{suffix}"
+        path.write_text(text)
+        report.files.append(path)
+    if writer is not None:
+        writer.add_text(f"table/{tspec.name}", md)
+    report.tables.append(table)
+    return f"\n## Table: {tspec.name}\n\n{md}" + "".join(
+        f"\n![{path.stem}]({path.name})\n" for path in figures)
+
+
+def _heatmap_section(data: StudyData, hspec: HeatmapSpec, report: Report, writer) -> str:
+    """One heatmap's panels and the robustness summary (``robustness.md``, ``.png``)."""
+    out_dir = report.out_dir
+    metric = hspec.metric or data.objective
+    direction = data.direction if metric == data.objective else "minimize"
+    panels = heatmaps(data.runs, hspec, data.axes, metric, direction, out_dir, writer)
+    report.files += [p.path for p in panels]
+    if not panels:
+        return ""
+    md = robustness_markdown(panels, hspec, metric, direction)
+    (out_dir / "robustness.md").write_text(md)
+    report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
+    return (f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}"
+            + "".join(f"\n![{p.title}]({p.path.name})" for p in panels)
+            + "\n\n![robustness](robustness.png)\n")
+
+
+def _line_section(data: StudyData, lspec: LineSpec, palette: Palette, report: Report,
+                  writer) -> str:
+    """One line plot."""
+    _, path = line_plot(data.runs, lspec, data.axes, data.objective, data.direction,
+                        report.out_dir, writer, palette)
+    report.files.append(path)
+    return f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n"
+
+
+def _curve_section(data: StudyData, palette: Palette, report: Report, writer) -> str:
+    """The learning curves of every requested TensorBoard tag."""
+    spec = data.spec.report.curves
+    curves = learning_curves(data.runs, spec, data.axes, data.objective, data.direction,
+                             report.out_dir, writer, palette)
+    parts = []
+    for tag in spec.tags:
+        if tag not in curves:
+            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
+            continue
+        path = curves[tag].path
+        report.files.append(path)
+        parts.append(f"\n![{path.stem}]({path.name})\n")
+    return "".join(parts)
