@@ -322,6 +322,22 @@ def _choice(value: Any, allowed: Iterable[str], name: str, source: str) -> None:
 
 def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
     """Raise :class:`SweepError` naming the field for anything a run would trip over later."""
+    _check_study(spec, source)
+    _check_grid(spec.grid, source)
+    if spec.search is not None:
+        _check_search(spec.search, source)
+    if spec.bracket is not None:
+        _check_bracket(spec, source)
+    _check_experiment(spec, source)
+    _check_execution(spec, source)
+    try:
+        check_report(spec.report, spec.axes())
+    except ValueError as err:
+        raise SweepError(f"{source}: {err}") from None
+
+
+def _check_study(spec: SweepSpec, source: str) -> None:
+    """The study's name, objective, kind (grid or search), seeds and overrides."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.study):
         raise SweepError(f"{source}: study={spec.study!r} must be a folder name "
                          "(letters, digits, '_', '.', '-')")
@@ -334,7 +350,11 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
     for i, word in enumerate(spec.overrides):
         if "=" not in word or word.startswith("="):
             raise SweepError(f"{source}: overrides[{i}]={word!r} is not of the form key=value")
-    for i, block in enumerate(spec.grid):
+
+
+def _check_grid(grid: list[dict[str, Any]], source: str) -> None:
+    """Every grid block non-empty, every axis but ``seed`` a list of scalar values."""
+    for i, block in enumerate(grid):
         if not block:
             raise SweepError(f"{source}: grid[{i}] is empty")
         for axis, values in block.items():
@@ -342,16 +362,21 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
             if axis == "seed":
                 raise SweepError(f"{source}: {where}: seeds are their own axis; use 'seeds:'")
             _check_values(values, where, source)
-    if spec.search is not None:
-        _check_search(spec.search, source)
-    if spec.bracket is not None:
-        _check_bracket(spec, source)
-    if spec.experiment is None:
-        missing = [p.key for p in (spec.points() if spec.is_grid else [])
-                   if "experiment" not in p.as_dict()]
-        if not spec.is_grid or missing:
-            raise SweepError(f"{source}: 'experiment' is not set (top level or a grid axis)"
-                             + (f"; points without it: {missing[:3]}" if missing else ""))
+
+
+def _check_experiment(spec: SweepSpec, source: str) -> None:
+    """An experiment for every trial: at the top level, or on a grid axis reaching every point."""
+    if spec.experiment is not None:
+        return
+    missing = [p.key for p in (spec.points() if spec.is_grid else [])
+               if "experiment" not in p.as_dict()]
+    if not spec.is_grid or missing:
+        raise SweepError(f"{source}: 'experiment' is not set (top level or a grid axis)"
+                         + (f"; points without it: {missing[:3]}" if missing else ""))
+
+
+def _check_execution(spec: SweepSpec, source: str) -> None:
+    """How trials run: retries, pruning, processes and the launch command."""
     r = spec.retry
     if r.max_retries < 0 or r.heartbeat_s <= 0 or r.stale_after_s <= r.heartbeat_s:
         raise SweepError(f"{source}: retry needs max_retries ≥ 0, heartbeat_s > 0 and "
@@ -363,40 +388,19 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
     if launch.nproc < 1 or launch.devices_per_trial < 0:
         raise SweepError(f"{source}: launch.nproc must be ≥ 1 and devices_per_trial ≥ 0")
     check_template(launch.command, launch.vars, source)
-    try:
-        check_report(spec.report, spec.axes())
-    except ValueError as err:
-        raise SweepError(f"{source}: {err}") from None
 
 
 def _check_search(search: Search, source: str) -> None:
+    """The search's type, each of its axes, then its budget."""
     _choice(search.type, SEARCH_TYPES, "search.type", source)
     if not search.params:
         raise SweepError(f"{source}: search.params is empty")
     coordinate = search.type == "coordinate"
     for name, p in search.params.items():
-        where = f"search.params.{name}"
         if coordinate:
-            if p.low is not None or p.high is not None or p.choices or p.log:
-                raise SweepError(f"{source}: {where}: coordinate descent takes 'values' (a "
-                                 "list), not low/high/log/choices (those are TPE's)")
-            _check_values(p.values, f"{where}.values", source)
-            if name not in search.start:
-                raise SweepError(f"{source}: search.start.{name} is missing: give the value "
-                                 "coordinate descent starts from on every axis")
-            _check_values([search.start[name]], f"search.start.{name}", source)
-            continue
-        if p.values is not None:
-            raise SweepError(f"{source}: {where}.values is for search.type=coordinate; TPE "
-                             "takes low/high (float, int) or choices (categorical)")
-        _choice(p.type, PARAM_TYPES, f"{where}.type", source)
-        if p.type == "categorical":
-            if not p.choices:
-                raise SweepError(f"{source}: {where}.choices must be a non-empty list")
-        elif p.low is None or p.high is None or not p.low < p.high:
-            raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
-        elif p.log and p.low <= 0:
-            raise SweepError(f"{source}: {where}: log scale needs low > 0")
+            _check_coordinate_axis(search, name, source)
+        else:
+            _check_tpe_axis(p, f"search.params.{name}", source)
     if coordinate:
         extra = sorted(set(search.start) - set(search.params))
         if extra:
@@ -409,6 +413,35 @@ def _check_search(search: Search, source: str) -> None:
         raise SweepError(f"{source}: search.start is for search.type=coordinate")
     elif search.n_trials < 1:
         raise SweepError(f"{source}: search.n_trials must be ≥ 1")
+
+
+def _check_coordinate_axis(search: Search, name: str, source: str) -> None:
+    """A coordinate-descent axis: a list of ``values`` and a start value."""
+    p, where = search.params[name], f"search.params.{name}"
+    if p.low is not None or p.high is not None or p.choices or p.log:
+        raise SweepError(f"{source}: {where}: coordinate descent takes 'values' (a "
+                         "list), not low/high/log/choices (those are TPE's)")
+    _check_values(p.values, f"{where}.values", source)
+    if name not in search.start:
+        raise SweepError(f"{source}: search.start.{name} is missing: give the value "
+                         "coordinate descent starts from on every axis")
+    _check_values([search.start[name]], f"search.start.{name}", source)
+
+
+def _check_tpe_axis(p: SearchParam, where: str, source: str) -> None:
+    """A TPE axis: ``choices`` (categorical) or ``low < high`` (float, int; ``low > 0`` on a
+    log scale)."""
+    if p.values is not None:
+        raise SweepError(f"{source}: {where}.values is for search.type=coordinate; TPE "
+                         "takes low/high (float, int) or choices (categorical)")
+    _choice(p.type, PARAM_TYPES, f"{where}.type", source)
+    if p.type == "categorical":
+        if not p.choices:
+            raise SweepError(f"{source}: {where}.choices must be a non-empty list")
+    elif p.low is None or p.high is None or not p.low < p.high:
+        raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
+    elif p.log and p.low <= 0:
+        raise SweepError(f"{source}: {where}: log scale needs low > 0")
 
 
 def _check_values(values: Any, where: str, source: str) -> None:
