@@ -261,12 +261,57 @@ class _Assembly:
     missing: int
 
 
+class _Assembler:
+    """Hands ``sink`` each slot's whole direction in its stored layout: at once for a slot of
+    one block, else assembled in an :class:`_Assembly` as its blocks arrive."""
+
+    def __init__(self, sink: Callable[[object, Tensor], None]):
+        self.sink = sink
+        self.assembling: dict[int, _Assembly] = {}
+
+    def deliver(self, slot, index: int, direction: Tensor) -> None:
+        layout = slot.layout
+        if len(layout.blocks) == 1:
+            self.sink(slot, layout.stored_view(direction))
+            return
+        part = self.assembling.get(id(slot))
+        if part is None:
+            part = self.assembling[id(slot)] = _Assembly(
+                torch.empty(layout.stored, dtype=direction.dtype, device=direction.device),
+                len(layout.blocks))
+        layout.put(part.buffer, index, direction)  # copied now: direction may be scratch
+        part.missing -= 1
+        if part.missing == 0:
+            self.sink(slot, self.assembling.pop(id(slot)).buffer)
+
+
 @dataclass
 class _CutMomentum:
     """The blocks of the latest slot's ``M̃`` (scratch: only the latest slot's are valid)."""
 
     slot: object = None
     blocks: list | None = None
+
+    def block(self, slot, index: int, thunk) -> Tensor:
+        if self.slot is not slot:
+            self.slot, self.blocks = slot, slot.layout.matrices(thunk())
+        return self.blocks[index]
+
+
+def _stacks(items: list, rule: DirectionRule):
+    """The ``(shape, dtype, device, chunk)`` stacks of same-shape blocks of ``items``: every
+    ``(slot, block index, M̃ thunk)`` of one shape, dtype and device, at most
+    ``rule.stack_elements`` elements at a time."""
+    buckets: dict[tuple, list] = {}
+    for slot, thunk in items:
+        for i, shape in enumerate(slot.layout.blocks):
+            buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
+                (slot, i, thunk))
+    for (shape, dtype, device), bucket in buckets.items():
+        per_stack = (len(bucket) if rule.stack_elements is None
+                     else max(1, rule.stack_elements // math.prod(shape)))
+        for start in range(0, len(bucket), per_stack):
+            yield shape, dtype, device, bucket[start : start + per_stack]
 
 
 def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor], None]) -> None:
@@ -277,24 +322,10 @@ def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor]
     each block gets its own direction, and the directions are written back in the stored
     layout. Per matrix (with the rule's workspace), or as stacks of same-shape blocks in one
     batched call (``rule.stacked``: one launch per Newton–Schulz product for the whole stack).
+    The rule's callables are called from here directly (the helpers above return before or run
+    after them), so that a step reaches Newton–Schulz in as few frames as ``torch.optim.Muon``.
     """
-    assembling: dict[int, _Assembly] = {}
-
-    def deliver(slot, index: int, direction: Tensor) -> None:
-        layout = slot.layout
-        if len(layout.blocks) == 1:
-            sink(slot, layout.stored_view(direction))
-            return
-        part = assembling.get(id(slot))
-        if part is None:
-            part = assembling[id(slot)] = _Assembly(
-                torch.empty(layout.stored, dtype=direction.dtype, device=direction.device),
-                len(layout.blocks))
-        layout.put(part.buffer, index, direction)  # copied now: direction may be scratch
-        part.missing -= 1
-        if part.missing == 0:
-            sink(slot, assembling.pop(id(slot)).buffer)
-
+    deliver = _Assembler(sink).deliver
     if not rule.stacked:
         ws = rule.workspace
         for slot, thunk in items:
@@ -308,32 +339,17 @@ def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor]
                 deliver(slot, i, rule.orthogonalize(block, workspace=ws))
         return
     cut = _CutMomentum()
-
-    def block_of(slot, index: int, thunk) -> Tensor:
-        if cut.slot is not slot:
-            cut.slot, cut.blocks = slot, slot.layout.matrices(thunk())
-        return cut.blocks[index]
-
-    buckets: dict[tuple, list] = {}
-    for slot, thunk in items:
-        for i, shape in enumerate(slot.layout.blocks):
-            buckets.setdefault((shape, slot.grad.dtype, slot.grad.device), []).append(
-                (slot, i, thunk))
-    for (shape, dtype, device), bucket in buckets.items():
-        per_stack = (len(bucket) if rule.stack_elements is None
-                     else max(1, rule.stack_elements // math.prod(shape)))
-        for start in range(0, len(bucket), per_stack):
-            chunk = bucket[start : start + per_stack]
-            stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
-            for j, (slot, i, thunk) in enumerate(chunk):
-                stack[j].copy_(block_of(slot, i, thunk))
-            cut.slot = cut.blocks = None
-            if rule.direction is not None:
-                found = rule.direction(None, stack, None)
-            else:
-                if rule.precondition is not None:
-                    stack = rule.precondition(stack, workspace=None)
-                found = rule.orthogonalize(stack, workspace=None)
-            del stack
-            for j, (slot, i, _) in enumerate(chunk):
-                deliver(slot, i, found[j])
+    for shape, dtype, device, chunk in _stacks(items, rule):
+        stack = torch.empty((len(chunk), *shape), dtype=dtype, device=device)
+        for j, (slot, i, thunk) in enumerate(chunk):
+            stack[j].copy_(cut.block(slot, i, thunk))
+        cut.slot = cut.blocks = None
+        if rule.direction is not None:
+            found = rule.direction(None, stack, None)
+        else:
+            if rule.precondition is not None:
+                stack = rule.precondition(stack, workspace=None)
+            found = rule.orthogonalize(stack, workspace=None)
+        del stack
+        for j, (slot, i, _) in enumerate(chunk):
+            deliver(slot, i, found[j])
