@@ -16,17 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from muoneq.registry import counterpart_of, optimizer_label
 from muoneq.sweeps.report_spec import MetricColumn, TableSpec
 from muoneq.sweeps.spec import format_value
 
-#: how the paper names the optimizers of the registry
-OPTIMIZER_NAMES = {
-    "sgd": "SGD", "adamw": "AdamW", "muon": "Muon", "muon_nes": "Muon-Nes",
-    "muoneq": "MuonEq", "muoneq_nes": "MuonEq-Nes", "mars_adamw": "MARS-AdamW",
-    "adamuon": "AdaMuon", "muon_plus": "Muon+", "normuon": "NorMuon", "mousse": "Mousse",
-}
-#: each MuonEq variant and the Muon it is compared with
-COUNTERPART = {"muoneq": "muon", "muoneq_nes": "muon_nes"}
 #: short axis names for headers and titles
 AXIS_NAMES = {"optimizer.lr": "lr", "optimizer.momentum": "momentum",
               "optimizer.ns_steps": "K", "optimizer.mode": "mode"}
@@ -45,7 +38,7 @@ def describe(values: dict[str, Any]) -> str:
     parts = []
     opt = values.get("optimizer")
     if opt is not None:
-        name = OPTIMIZER_NAMES.get(opt, opt)
+        name = optimizer_label(opt)
         mode = values.get("optimizer.mode")
         parts.append(f"{name} ({mode})" if mode is not None else name)
     for axis, value in values.items():
@@ -224,7 +217,7 @@ def baseline_row(rows, values: dict[str, Any], optimizer: str):
 
 def _deltas(rows, groups, metric: str) -> None:
     for _, values, entries in rows:
-        base = COUNTERPART.get(values.get("optimizer"))
+        base = counterpart_of(values.get("optimizer"))
         counterpart = baseline_row(rows, values, base) if base else None
         if counterpart is None:
             continue
