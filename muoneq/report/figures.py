@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import math
-import re
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,14 +25,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
+from muoneq.files import slug
 from muoneq.report.tables import axis_name, best_of, better, cells, describe
 from muoneq.sweeps.events import ScalarReader
 from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.sweeps.spec import format_value
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_") or "all"
+def figure_name(text: str) -> str:
+    """A figure's file name (no suffix) from its title or tag."""
+    return slug(text, empty="all")
 
 
 def _tick(value: Any) -> str:
@@ -196,7 +197,7 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
                                        linewidth=2))
         bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
         bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{fmt}}}"))
-        name = slug(title)
+        name = figure_name(title)
         path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
         _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
         out.append(HeatmapPanel(
@@ -419,6 +420,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-        path = _save(fig, out_dir / f"curve_{slug(tag)}.png", writer, f"curves/{slug(tag)}")
+        name = figure_name(tag)
+        path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")
         out[tag] = CurvePlot(path, fig, plotted)
     return out
