@@ -33,7 +33,7 @@ def axis_name(axis: str) -> str:
     return AXIS_NAMES.get(axis, axis)
 
 
-def describe(values: dict[str, Any]) -> str:
+def setting_label(values: dict[str, Any]) -> str:
     """A human label: ``MuonEq-Nes (R)``, ``Muon-Nes | K=5``."""
     parts = []
     opt = values.get("optimizer")
@@ -167,7 +167,7 @@ def build_table(runs: list[dict], spec: TableSpec, axes: Sequence[str], objectiv
             entries[group] = TableEntry({m.key: stats[m.key].get(key) for m in metrics},
                                         selected)
             notes.extend(_edge_notes(row_values, group, selected, candidates, spec.select))
-        rows.append((describe(row_values), row_values, entries))
+        rows.append((setting_label(row_values), row_values, entries))
     _mark_best(rows, groups, metrics, directions)
     if spec.deltas:
         _deltas(rows, groups, metrics[0].key)
@@ -182,7 +182,7 @@ def _edge_notes(row_values, group, selected, candidates, select_axes) -> list[st
                                                                        int | float)})
         value = selected[axis]
         if len(grid) >= 2 and value in (grid[0], grid[-1]):
-            where = describe(row_values) + (f" [{group}]" if group is not None else "")
+            where = setting_label(row_values) + (f" [{group}]" if group is not None else "")
             notes.append(f"{where}: best {axis_name(axis)}={format_value(value)} is at the "
                          f"edge of its grid {[format_value(v) for v in grid]}; extend the grid")
     return notes
