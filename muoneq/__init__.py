@@ -20,7 +20,7 @@ from muoneq.optim import (
     NorMuon,
 )
 from muoneq.registry import OPTIMIZERS, build_optimizer, register_optimizer
-from muoneq.routing import describe, describe_groups, param_groups
+from muoneq.routing import describe_groups, describe_routing, param_groups
 
 __version__ = "0.1.0"
 
@@ -36,8 +36,8 @@ __all__ = [
     "NorMuon",
     "build_optimizer",
     "canonical_mode",
-    "describe",
     "describe_groups",
+    "describe_routing",
     "diag_pre",
     "muoneq_update",
     "newton_schulz",

@@ -1,17 +1,27 @@
-"""Writing files so that a crash or a full disk leaves no half-written file: a temporary file
-in the destination folder renamed into place (:func:`atomic_write`), and a full disk reported
-as one line naming the path (:func:`reporting_full_disk`, :class:`~muoneq.errors.DiskFull`)."""
+"""File names from free text (:func:`slug`), and writing files so that a crash or a full disk
+leaves no half-written file: a temporary file in the destination folder renamed into place
+(:func:`atomic_open`, :func:`atomic_write`), and a full disk reported as one line naming the
+path (:func:`reporting_full_disk`, :class:`~muoneq.errors.DiskFull`)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from muoneq.errors import DiskFull
+
+
+def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str = "") -> str:
+    """``text`` as one file name: each run of characters outside ``keep`` (the body of a regex
+    character class) becomes ``sep``, trimmed at both ends; ``empty`` when nothing is left."""
+    return re.sub(f"[^{keep}]+", sep, text).strip(sep) or empty
+
 
 #: ``errno`` values of a full disk or an exhausted quota.
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
@@ -40,15 +50,32 @@ def full_disk(path: str | os.PathLike, then: str = "") -> DiskFull:
                     f"{'; ' + then if then else ''}")
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a kill leaves the old file or the new one, whole (a
-    full disk: :class:`~muoneq.errors.DiskFull` naming ``path``, nothing half-written left).
-    Processes writing the same file at once each use their own temporary file."""
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False,
+                then: str = "", **open_args) -> Iterator[IO]:
+    """A file to write ``path`` through: a temporary file beside it (``.<name>.<pid>.tmp``,
+    one per process, so processes writing the same file at once never mix), renamed over
+    ``path`` when the block ends without an error and deleted otherwise, so a kill or an error
+    leaves the old file or the new one, whole. ``fsync``: the data reach the disk before the
+    rename (a power cut too keeps one whole file). A full disk raises
+    :class:`~muoneq.errors.DiskFull` naming ``path`` (``then``: see :func:`reporting_full_disk`).
+    ``open_args`` go to :func:`open`
+    (``newline=""`` for :mod:`csv`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with reporting_full_disk(path):
+    with reporting_full_disk(path, then):
         try:
-            tmp.write_text(text)
+            with open(tmp, mode, **open_args) as f:
+                yield f
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`atomic_open`."""
+    with atomic_open(path) as f:
+        f.write(text)

@@ -9,7 +9,7 @@ included) on the Muon path.
 
 "A matrix" means a linear map, read as ``(out, in·…)`` whatever its storage
 (:mod:`muoneq.layout`). Each parameter is decided by the first rule that applies
-(:data:`RULES` lists them; :func:`describe` prints the decision for every tensor):
+(:data:`RULES` lists them; :func:`describe_routing` prints the decision for every tensor):
 
 * by **module type**: ``nn.Embedding`` → AdamW; ``nn.Linear``, ``nn.Bilinear``, convolutions,
   ``nn.MultiheadAttention``'s projections, RNN weights → matrix; transposed convolutions and
@@ -58,7 +58,7 @@ DEFAULT_HEAD_NAMES = ("lm_head", "head", "classifier", "fc", "output", "score", 
 #: (BERT's ``layer.N.output`` is a block's sub-module, not a head).
 _CONTAINER_HEADS = ("head", "heads", "classifier")
 
-#: Every rule, as :func:`describe` names it.
+#: Every rule, as :func:`describe_routing` names it.
 RULES = {
     "frozen": "requires_grad=False: not optimized",
     "adamw_names": "name matches adamw_names",
@@ -441,7 +441,7 @@ def param_groups(
     **hparams,
 ) -> list[dict]:
     """The matrix groups, then the AdamW group, of ``model`` for :class:`muoneq.MuonEq` and
-    the baselines (rules in the module docstring; :func:`describe` shows every decision).
+    the baselines (rules in the module docstring; :func:`describe_routing` shows every decision).
 
     Args:
         head_names: last name components of the output head (``()``: no head on AdamW).
@@ -509,7 +509,7 @@ def param_groups(
     return groups
 
 
-def describe(model: nn.Module, **routing) -> str:
+def describe_routing(model: nn.Module, **routing) -> str:
     """The per-tensor table of :func:`param_groups`' decisions for ``model`` (same keywords):
     name, stored shape, the matrices the optimizer sees, path and rule."""
     return format_routes(route(model, **routing))

@@ -22,7 +22,7 @@ from muoneq.diagnostics import (
     stable_rank,
     theorem_applies,
 )
-from muoneq.diagnostics.study import (
+from muoneq.diagnostics.ns_geometry_study import (
     StudyConfig,
     rotation_invariant,
     run_study,

@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def cpu_results(folder: Path) -> dict:
-    path = folder / f"{gpu_check.slug(device_name(CPU))}-quick.json"
+    path = folder / f"{gpu_check.device_slug(device_name(CPU))}-quick.json"
     return json.loads(path.read_text())
 
 
@@ -214,8 +214,9 @@ def test_parts_not_rerun_are_kept_from_the_same_device_and_mode(tmp_path):
 
 
 def test_device_slug_is_a_file_name():
-    assert gpu_check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert gpu_check.slug("Intel(R) Xeon(R) Platinum 8480+") == "intel-r-xeon-r-platinum-8480"
+    assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert (gpu_check.device_slug("Intel(R) Xeon(R) Platinum 8480+")
+            == "intel-r-xeon-r-platinum-8480")
 
 
 def test_a_failed_part_is_recorded_the_next_runs_and_a_killed_one_stays_started(

@@ -269,3 +269,19 @@ def test_the_demo_reports_paired_differences_and_speedups_over_three_seeds(tmp_p
     assert table.deltas and table.speedup.tag == "val/loss"
     assert len(spec.seeds) == 3 and len(spec.points()) * len(spec.seeds) == 45
     assert spec.bracket.axes == ["optimizer.lr"]
+
+
+def test_a_registered_optimizer_brings_its_label_and_counterpart(monkeypatch):
+    from muoneq import registry
+    from muoneq.report.tables import setting_label
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
+    spec = registry.OPTIMIZERS["muoneq"]
+    registry.register_optimizer("muoneq_rc", registry.OptimizerSpec(
+        spec.factory, {"mode": "RC"}, "MuonEq (RC)", label="MuonEq-RC", counterpart="muon"))
+    assert setting_label({"optimizer": "muoneq_rc"}) == "MuonEq-RC"
+    assert paired.baselines_of("muoneq_rc") == ["muon", paired.BASELINE]
+    assert setting_label({"optimizer": "unregistered"}) == "unregistered"
+    with pytest.raises(ValueError, match="counterpart 'mu0n' is not registered"):
+        registry.register_optimizer("other", registry.OptimizerSpec(
+            spec.factory, counterpart="mu0n"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from muoneq import MuonEq, build_optimizer, describe, param_groups
+from muoneq import MuonEq, build_optimizer, describe_routing, param_groups
 from muoneq.registry import OPTIMIZERS
 from muoneq.routing import route
 
@@ -292,7 +292,7 @@ def test_describe_prints_one_row_per_tensor_with_its_rule(capsys):
     row = next(line for line in lines if line.startswith("blocks.0.attn.weight"))
     assert row.split()[1:5] == ["(24,", "8)", "(24,", "8)"] and "linear map: Linear" in row
     assert "matrix (Muon-type):    4 tensors, 896 parameters" in out
-    assert describe(model, split_fused=True) in out
+    assert describe_routing(model, split_fused=True) in out
 
 
 @pytest.mark.parametrize("given", ["parameters", "named_parameters", "list"])

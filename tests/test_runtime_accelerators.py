@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from muoneq.runtime import ConfigError, build_trainer, compose
 from muoneq.runtime.accelerators import NPUAccelerator, peak_memory
+from muoneq.runtime.config import SUITE_TRAINER_KEYS, TrainerConfig
 from muoneq.runtime.trainer import FSDP2Strategy, build_strategy
 
 BASE = ["task=cifar10", "trainer.max_steps=1"]
@@ -36,6 +40,20 @@ def test_strategies(tmp_path):
     trainer = build_trainer(compose([*BASE, "trainer=cpu"]), tmp_path, monitor="val/loss",
                             monitor_mode="min")
     assert trainer.num_devices == 1 and trainer.accelerator.__class__.__name__ == "CPUAccelerator"
+
+
+def test_every_trainer_key_is_a_lightning_argument_or_the_suites_own(tmp_path):
+    lightning_arguments = inspect.signature(L.Trainer.__init__).parameters
+    keys = [f.name for f in dataclasses.fields(TrainerConfig)]
+    assert [k for k in keys if k not in lightning_arguments] == list(SUITE_TRAINER_KEYS)
+    # passed through as written: values Lightning keeps as attributes of the trainer
+    cfg = compose([*BASE, "trainer=cpu", "trainer.max_epochs=3", "trainer.max_steps=7",
+                   "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=0.5",
+                   "trainer.log_every_n_steps=5", "trainer.check_val_every_n_epoch=2"])
+    trainer = build_trainer(cfg, tmp_path, monitor="val/loss", monitor_mode="min")
+    assert (trainer.max_epochs, trainer.max_steps, trainer.accumulate_grad_batches,
+            trainer.gradient_clip_val, trainer.log_every_n_steps,
+            trainer.check_val_every_n_epoch) == (3, 7, 2, 0.5, 5, 2)
 
 
 # A stand-in for torch_npu: registers the "npu" device name and the torch.npu calls Lightning

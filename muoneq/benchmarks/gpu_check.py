@@ -48,7 +48,6 @@ import gc
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -67,6 +66,7 @@ import torch
 from muoneq.benchmarks.bench_step import device_label, device_name, sig3
 from muoneq.benchmarks.bench_step import main as bench_main
 from muoneq.benchmarks.bench_step import table as bench_table
+from muoneq.files import atomic_write, slug
 from muoneq.runtime import compose, train
 from muoneq.runtime.accelerators import synchronize
 from muoneq.runtime.record import session
@@ -103,13 +103,13 @@ class Check:
                 f"trainer.precision={self.precision}", "trainer.progress=quiet"]
 
 
-def slug(name: str) -> str:
+def device_slug(name: str) -> str:
     """A file name from a device name: ``NVIDIA H100 80GB HBM3`` → ``nvidia-h100-80gb-hbm3``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+    return slug(name.lower(), keep="a-z0-9", sep="-", empty="device")
 
 
 def results_path(out: Path, device: torch.device, quick: bool) -> Path:
-    return Path(out) / f"{slug(device_name(device))}{'-quick' if quick else ''}.json"
+    return Path(out) / f"{device_slug(device_name(device))}{'-quick' if quick else ''}.json"
 
 
 # ----------------------------------------------------------------------------- peak FLOP/s
@@ -590,12 +590,6 @@ def summary(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_results(path: Path, record: dict, copy_to: Path | None) -> None:
     record.update(headline(record["parts"]))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -655,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     # a copy of the checkout without .git (a lent machine) names its commit in the environment
     base["git_commit"] = base["git_commit"] or os.environ.get("MUONEQ_GIT_COMMIT")
     record = {
-        "device": name, "device_slug": slug(name), "device_type": device.type,
+        "device": name, "device_slug": device_slug(name), "device_type": device.type,
         "device_label": device_label(device), "quick": args.quick,
         "date": base["started"], "muoneq_version": base["muoneq_version"],
         "git_commit": base["git_commit"], "git_dirty": base["git_dirty"],

@@ -4,7 +4,7 @@
   tolerance), singular-value entropy, the exact polar factor (float64 SVD).
 * :mod:`~muoneq.diagnostics.ns_error` – eq. (5) (finite-step error and
   preconditioning bias for none/R/C/RC), error curves over NS steps, Theorem 3.1's bound.
-* :mod:`~muoneq.diagnostics.study` – the synthetic study of the paper's Figure 1
+* :mod:`~muoneq.diagnostics.ns_geometry_study` – the synthetic study of the paper's Figure 1
   (``muoneq spectra``).
 * :mod:`~muoneq.diagnostics.callback` – :class:`SpectralMonitor`, a Lightning callback that
   measures the pre-NS momentum during training (the paper's Figures 2, 6 and 7).

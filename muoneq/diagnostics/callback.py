@@ -31,7 +31,6 @@ from __future__ import annotations
 import csv
 import fnmatch
 import math
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
+from muoneq.files import atomic_open
 from muoneq.functional import MODES, canonical_mode
 from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import normalize_coefficients, resolve_dtype
@@ -236,12 +236,11 @@ class SpectralMonitor(pl.Callback):
         if self.csv_path.exists():
             with self.csv_path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= global_step]
-        tmp = self.csv_path.with_suffix(".tmp")
-        with tmp.open("w", newline="") as f:
+        # atomic: a kill never loses the rows kept
+        with atomic_open(self.csv_path, newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self._fields(), extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, self.csv_path)  # atomic: a kill never loses the rows kept
 
     def _fields(self) -> list[str]:
         k_max = max(self._ns_steps(w.group) for w in self._selected)

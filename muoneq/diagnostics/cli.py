@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from muoneq.diagnostics.study import (
+from muoneq.diagnostics.ns_geometry_study import (
     FAMILIES,
     FULL_SIZES,
     QUICK_SIZES,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from muoneq.report import optuna_views, paired, speedup
-from muoneq.report import plan as plan_report
+from muoneq.report import plan_tables as plan_report
 from muoneq.report.figures import (
     Palette,
     heatmaps,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import math
-import re
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,14 +25,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
-from muoneq.report.tables import axis_name, best_of, better, cells, describe
+from muoneq.files import slug
+from muoneq.report.tables import axis_name, best_of, better, cells, setting_label
 from muoneq.sweeps.events import ScalarReader
 from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec
 from muoneq.sweeps.spec import format_value
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_") or "all"
+def figure_name(text: str) -> str:
+    """A figure's file name (no suffix) from its title or tag."""
+    return slug(text, empty="all")
 
 
 def _tick(value: Any) -> str:
@@ -66,7 +67,7 @@ class Palette:
 
     @staticmethod
     def method(values: dict) -> str:
-        return describe({k: values.get(k) for k in ("optimizer", "optimizer.mode")
+        return setting_label({k: values.get(k) for k in ("optimizer", "optimizer.mode")
                          if values.get(k) is not None})
 
     def colour(self, values: dict) -> str:
@@ -170,7 +171,7 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     out = []
     for key, grid in panels.items():
         values = dict(zip(panel_axes, key, strict=True))
-        title = describe(values)
+        title = setting_label(values)
         fig = Figure(figsize=(1.1 * len(xs) + 2.6, 0.8 * len(ys) + 1.8), layout="constrained")
         ax = fig.add_subplot()
         # one colour map for both directions (dark: low values): its meaning never flips; the
@@ -196,7 +197,7 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
                                        linewidth=2))
         bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
         bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{fmt}}}"))
-        name = slug(title)
+        name = figure_name(title)
         path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
         _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
         out.append(HeatmapPanel(
@@ -294,7 +295,7 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
                 c = stats[m].get(tuple(chosen.values[a] for a in by)) if chosen else None
                 mean[m].append(math.nan if c is None or c.mean is None else c.mean)
                 std[m].append(math.nan if c is None or c.std is None else c.std)
-        series.append(LineSeries(describe(dict(zip(series_axes, skey, strict=True))), xs,
+        series.append(LineSeries(setting_label(dict(zip(series_axes, skey, strict=True))), xs,
                                  mean, std, dict(zip(series_axes, skey, strict=True))))
     fig = Figure(figsize=(4.4 * len(metrics), 3.6), layout="constrained")
     numeric = all(isinstance(x, int | float) for x in xs)
@@ -391,7 +392,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             steps = curve.steps
             sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
                             if c.values[a] is not None)
-            label = describe(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
+            label = setting_label(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
             few = len(steps) <= FEW_POINTS  # a marker at each point; one point is no line
             line, = ax.plot(steps, curve.mean, marker="o" if few else None,
                             markersize=6 if len(steps) == 1 else 3,
@@ -419,6 +420,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-        path = _save(fig, out_dir / f"curve_{slug(tag)}.png", writer, f"curves/{slug(tag)}")
+        name = figure_name(tag)
+        path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")
         out[tag] = CurvePlot(path, fig, plotted)
     return out

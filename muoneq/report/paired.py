@@ -27,8 +27,8 @@ from typing import Any
 
 from scipy import stats
 
+from muoneq.registry import counterpart_of
 from muoneq.report.tables import (
-    COUNTERPART,
     Cell,
     Table,
     TableEntry,
@@ -86,7 +86,8 @@ def baselines_of(optimizer: str | None) -> list[str]:
     """The optimizers a row of ``optimizer`` is compared with, in this order."""
     if optimizer is None or optimizer == BASELINE:
         return []
-    return [*([COUNTERPART[optimizer]] if optimizer in COUNTERPART else []), BASELINE]
+    counterpart = counterpart_of(optimizer)
+    return [*([counterpart] if counterpart is not None else []), BASELINE]
 
 
 def paired_difference(candidate: Cell | None, baseline: Cell | None) -> Interval | None:

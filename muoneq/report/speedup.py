@@ -30,7 +30,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogLocator
 
-from muoneq.report.figures import Curve, Palette, _save, mean_curve, slug
+from muoneq.report.figures import Curve, Palette, _save, figure_name, mean_curve
 from muoneq.report.paired import Comparison, Interval
 from muoneq.report.tables import Cell
 from muoneq.sweeps.events import ScalarReader
@@ -223,7 +223,7 @@ def figure(found: Speedup, out_dir: Path, writer=None, palette: Palette | None =
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower left")
     group = f"{c.group}_" if c.group is not None else ""
-    name = slug(f"speedup_{group}{c.candidate}_vs_{c.baseline}")
+    name = figure_name(f"speedup_{group}{c.candidate}_vs_{c.baseline}")
     return _save(fig, out_dir / f"{name}.png", writer, f"speedup/{name}")
 
 

@@ -16,17 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from muoneq.registry import counterpart_of, optimizer_label
 from muoneq.sweeps.report_spec import MetricColumn, TableSpec
 from muoneq.sweeps.spec import format_value
 
-#: how the paper names the optimizers of the registry
-OPTIMIZER_NAMES = {
-    "sgd": "SGD", "adamw": "AdamW", "muon": "Muon", "muon_nes": "Muon-Nes",
-    "muoneq": "MuonEq", "muoneq_nes": "MuonEq-Nes", "mars_adamw": "MARS-AdamW",
-    "adamuon": "AdaMuon", "muon_plus": "Muon+", "normuon": "NorMuon", "mousse": "Mousse",
-}
-#: each MuonEq variant and the Muon it is compared with
-COUNTERPART = {"muoneq": "muon", "muoneq_nes": "muon_nes"}
 #: short axis names for headers and titles
 AXIS_NAMES = {"optimizer.lr": "lr", "optimizer.momentum": "momentum",
               "optimizer.ns_steps": "K", "optimizer.mode": "mode"}
@@ -40,12 +33,12 @@ def axis_name(axis: str) -> str:
     return AXIS_NAMES.get(axis, axis)
 
 
-def describe(values: dict[str, Any]) -> str:
+def setting_label(values: dict[str, Any]) -> str:
     """A human label: ``MuonEq-Nes (R)``, ``Muon-Nes | K=5``."""
     parts = []
     opt = values.get("optimizer")
     if opt is not None:
-        name = OPTIMIZER_NAMES.get(opt, opt)
+        name = optimizer_label(opt)
         mode = values.get("optimizer.mode")
         parts.append(f"{name} ({mode})" if mode is not None else name)
     for axis, value in values.items():
@@ -174,7 +167,7 @@ def build_table(runs: list[dict], spec: TableSpec, axes: Sequence[str], objectiv
             entries[group] = TableEntry({m.key: stats[m.key].get(key) for m in metrics},
                                         selected)
             notes.extend(_edge_notes(row_values, group, selected, candidates, spec.select))
-        rows.append((describe(row_values), row_values, entries))
+        rows.append((setting_label(row_values), row_values, entries))
     _mark_best(rows, groups, metrics, directions)
     if spec.deltas:
         _deltas(rows, groups, metrics[0].key)
@@ -189,7 +182,7 @@ def _edge_notes(row_values, group, selected, candidates, select_axes) -> list[st
                                                                        int | float)})
         value = selected[axis]
         if len(grid) >= 2 and value in (grid[0], grid[-1]):
-            where = describe(row_values) + (f" [{group}]" if group is not None else "")
+            where = setting_label(row_values) + (f" [{group}]" if group is not None else "")
             notes.append(f"{where}: best {axis_name(axis)}={format_value(value)} is at the "
                          f"edge of its grid {[format_value(v) for v in grid]}; extend the grid")
     return notes
@@ -224,7 +217,7 @@ def baseline_row(rows, values: dict[str, Any], optimizer: str):
 
 def _deltas(rows, groups, metric: str) -> None:
     for _, values, entries in rows:
-        base = COUNTERPART.get(values.get("optimizer"))
+        base = counterpart_of(values.get("optimizer"))
         counterpart = baseline_row(rows, values, base) if base else None
         if counterpart is None:
             continue

@@ -34,7 +34,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from muoneq.errors import UserError
-from muoneq.files import atomic_write, reporting_full_disk
+from muoneq.files import atomic_open, atomic_write, reporting_full_disk
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -121,8 +121,8 @@ def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
 
 
 def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Delete the temporary files of writes a kill cut short (``.<name>.tmp``, ours: see
-    :class:`ChecksummedCheckpointIO`) from a run folder's checkpoints; return them."""
+    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours: see
+    :func:`muoneq.files.atomic_open`) from a run folder's checkpoints; return them."""
     partial = [p for p in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp") if p.is_file()]
     for path in partial:
         path.unlink()
@@ -163,20 +163,14 @@ class ChecksummedCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError("storage_options are not supported by ChecksummedCheckpointIO")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with reporting_full_disk(path, then="then continue the run with resume=auto"):
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(tmp, "wb") as f:
-                    writer = _HashingWriter(f)
-                    torch.save(checkpoint, writer)
-                    f.flush()
-                    os.fsync(f.fileno())
-                # the checksums first: a checkpoint never exists without them
-                _write_checksums(path, {path.name: writer.digest.hexdigest()})
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        then = "then continue the run with resume=auto"
+        with reporting_full_disk(path, then):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb", fsync=True, then=then) as f:
+            writer = _HashingWriter(f)
+            torch.save(checkpoint, writer)
+            # the checksums first: a checkpoint never exists without them
+            _write_checksums(path, {path.name: writer.digest.hexdigest()})
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:

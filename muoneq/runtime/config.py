@@ -121,9 +121,18 @@ class ScheduleConfig:
             raise ValueError(f"schedule.total_steps: must be ≥ 1 or null, got {self.total_steps}")
 
 
+#: ``trainer`` keys that are not ``lightning.Trainer`` arguments: the suite acts on them itself.
+SUITE_TRAINER_KEYS = ("compile", "checkpoint_every_n_steps", "progress", "divergence_patience")
+
+
 @dataclass
 class TrainerConfig:
-    """Lightning ``Trainer`` settings (see :func:`muoneq.runtime.build_trainer`)."""
+    """Lightning ``Trainer`` settings (see :func:`muoneq.runtime.build_trainer`).
+
+    A field named like a ``lightning.Trainer`` argument is that argument, passed through as is
+    (:func:`muoneq.runtime.trainer.trainer_arguments`); the others (:data:`SUITE_TRAINER_KEYS`)
+    are the suite's own. Adding a Lightning option is one field here.
+    """
 
     accelerator: AcceleratorName = AcceleratorName.auto
     devices: int | str = "auto"

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from muoneq.registry import OPTIMIZERS, build_optimizer
-from muoneq.routing import describe, param_groups
+from muoneq.routing import describe_routing, param_groups
 
 
 class Routing(Enum):
@@ -128,12 +128,12 @@ def routing_options(cfg: DictConfig | dict) -> dict:
 
 
 def routing_table(model: nn.Module, cfg: DictConfig | dict) -> str | None:
-    """Where each tensor goes under the section's routing (:func:`muoneq.describe`); ``None``
-    for element-wise optimizers, which take every tensor alike."""
+    """Where each tensor goes under the section's routing (:func:`muoneq.describe_routing`);
+    ``None`` for element-wise optimizers, which take every tensor alike."""
     name = cfg["name"]
     if not (name in OPTIMIZERS and OPTIMIZERS[name].hybrid):
         return None
-    return describe(model, **routing_options(cfg))
+    return describe_routing(model, **routing_options(cfg))
 
 
 def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> torch.optim.Optimizer:

@@ -69,7 +69,7 @@ def result_settings(config: dict) -> dict:
     return {k: v for k, v in flat.items() if is_result_key(k)}
 
 
-def fingerprint(config: dict) -> str:
+def config_fingerprint(config: dict) -> str:
     """A short hash of :func:`result_settings` (equal configs, equal fingerprints)."""
     text = json.dumps(result_settings(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -220,7 +220,7 @@ def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size
               auto: dict | None = None) -> None:
     """``config.yaml`` of a run that starts now (``auto``: what ``auto`` values resolved to)."""
     config = resolved(cfg)
-    provenance = {**session(argv, auto), "fingerprint": fingerprint(config),
+    provenance = {**session(argv, auto), "fingerprint": config_fingerprint(config),
                   "world_size": world_size, "resumed": []}
     _write(run_dir, {**config, "provenance": provenance})
 

@@ -5,7 +5,7 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
     config.yaml       the fully resolved config and its provenance (see
                       :mod:`muoneq.runtime.record`): what ran, its fingerprint, who ran it
     routing.txt       every tensor's path (matrix/AdamW), the matrices the optimizer sees and
-                      the rule that decided it (:func:`muoneq.describe`)
+                      the rule that decided it (:func:`muoneq.describe_routing`)
     tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
     checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric),
                       each with its SHA-256 (:mod:`muoneq.runtime.checkpoints`)

@@ -47,7 +47,13 @@ from muoneq.runtime.checkpoints import (
     LastCheckpoint,
     record_folder_checksums,
 )
-from muoneq.runtime.config import AcceleratorName, ConfigError, ProgressMode, StrategyName
+from muoneq.runtime.config import (
+    SUITE_TRAINER_KEYS,
+    AcceleratorName,
+    ConfigError,
+    ProgressMode,
+    StrategyName,
+)
 
 # Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
@@ -144,6 +150,17 @@ def build_strategy(t: DictConfig):
     return "auto"
 
 
+#: The ``trainer`` keys :func:`build_trainer` translates before Lightning sees them.
+TRANSLATED_KEYS = ("accelerator", "devices", "strategy", "precision", "limit_val_batches")
+
+
+def trainer_arguments(t: DictConfig) -> dict:
+    """The ``trainer`` settings passed to ``lightning.Trainer`` as they are: every key but the
+    suite's own (:data:`~muoneq.runtime.config.SUITE_TRAINER_KEYS`) and those
+    :func:`build_trainer` translates (:data:`TRANSLATED_KEYS`)."""
+    return {key: t[key] for key in t if key not in (*SUITE_TRAINER_KEYS, *TRANSLATED_KEYS)}
+
+
 def build_trainer(
     cfg: DictConfig, run_dir: Path, *, monitor: str, monitor_mode: str, callbacks=(),
 ) -> L.Trainer:
@@ -191,25 +208,13 @@ def build_trainer(
     strategy = build_strategy(t)
     try:
         trainer = L.Trainer(
+            **trainer_arguments(t),
             accelerator=accelerator,
             devices=devices,
-            num_nodes=t.num_nodes,
             strategy=strategy,
             precision=precision,
             plugins=[*plugins, ChecksummedCheckpointIO()],
-            max_epochs=t.max_epochs,
-            max_steps=t.max_steps,
-            limit_train_batches=t.limit_train_batches,
             limit_val_batches=0 if monitor is None else t.limit_val_batches,
-            limit_test_batches=t.limit_test_batches,
-            val_check_interval=t.val_check_interval,
-            check_val_every_n_epoch=t.check_val_every_n_epoch,
-            num_sanity_val_steps=t.num_sanity_val_steps,
-            accumulate_grad_batches=t.accumulate_grad_batches,
-            gradient_clip_val=t.gradient_clip_val,
-            log_every_n_steps=t.log_every_n_steps,
-            deterministic=t.deterministic,
-            benchmark=t.benchmark,
             default_root_dir=run_dir,
             logger=logger,
             callbacks=[

@@ -14,7 +14,7 @@ from muoneq.suite_files import suite_folder
 from muoneq.sweeps.driver import Driver, DriverOptions
 from muoneq.sweeps.launch import trial_command
 from muoneq.sweeps.ledger import DriverId, Ledger, published_plan
-from muoneq.sweeps.plan import describe
+from muoneq.sweeps.plan import describe_plan
 from muoneq.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.sweeps.storage import storage_label
 from muoneq.sweeps.study import existing_study
@@ -139,7 +139,7 @@ def _dry_run(spec, options: DriverOptions) -> int:
     said = published_plan(spec, options.storage, study_dir)
     if said is not None:
         print("the study so far (it exists):")
-        for line in describe(said):
+        for line in describe_plan(said):
             print(f"  {line}")
     first = next(iter(search_points(spec))) if spec.search is not None else spec.points()[0]
     argv, _, _ = trial_command(spec, first, spec.seeds[0], first.run_dir(study_dir,

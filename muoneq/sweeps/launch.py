@@ -92,7 +92,7 @@ def read_metrics(run_dir: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def check_fingerprint(run_dir: Path, fingerprint: Mapping) -> None:
+def check_trial_fingerprint(run_dir: Path, fingerprint: Mapping) -> None:
     """Raise :class:`ResultMismatch` if the folder was run with other settings."""
     path = Path(run_dir) / RECORD_NAME
     if not path.exists():
@@ -171,7 +171,7 @@ def run_process(
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_fingerprint(run_dir, fingerprint)
+    check_trial_fingerprint(run_dir, fingerprint)
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -28,7 +28,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from muoneq.sweeps import distributions, hparams, launch
-from muoneq.sweeps.plan import Check, Plan, describe, make_plan
+from muoneq.sweeps.plan import Check, Plan, describe_plan, make_plan
 from muoneq.sweeps.spec import Point, SweepSpec, format_value
 from muoneq.sweeps.study import existing_study
 from muoneq.sweeps.trial_record import FAILURES, STUDY_DISTRIBUTIONS, STUDY_PLAN, TrialRecord
@@ -190,7 +190,7 @@ class Ledger:
             self._said = said
             if said != self.study.user_attrs.get(STUDY_PLAN):
                 self.study.set_user_attr(STUDY_PLAN, said)
-            for line in describe(said):
+            for line in describe_plan(said):
                 if line not in self._logged:
                     self._logged.add(line)
                     log.info("plan: %s", line)

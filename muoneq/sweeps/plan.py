@@ -154,11 +154,11 @@ class Plan:
         }
 
     def lines(self) -> list[str]:
-        """What the plan added and why it stopped (:func:`describe`)."""
-        return describe(self.to_dict())
+        """What the plan added and why it stopped (:func:`describe_plan`)."""
+        return describe_plan(self.to_dict())
 
 
-def describe(said: dict) -> list[str]:
+def describe_plan(said: dict) -> list[str]:
     """One line per bracketed axis of each family, or per step of a coordinate descent's path,
     from a plan's :meth:`Plan.to_dict` (also as a study publishes it)."""
     out = []

@@ -76,7 +76,7 @@ class Runner:
                 worker=slot)
             metrics = launch.read_metrics(run_dir)
             if metrics is not None:
-                launch.check_fingerprint(run_dir, fingerprint)
+                launch.check_trial_fingerprint(run_dir, fingerprint)
                 log.info("trial %d (%s): %s already holds metrics.json: told, not re-run",
                          job.number, job.key, run_dir)
                 outcomes.append(launch.Outcome("complete", metrics))

@@ -2,11 +2,11 @@
 one without creating anything (:func:`existing_study`, for ``--status`` and ``--dry-run``).
 
 A study keeps the settings it started with: its experiment, fixed overrides, objective, launch
-command and kind (grid or search) are recorded as its ``fingerprint`` and a later driver with
-other values is refused (the grid and the seeds may grow; :func:`check_fingerprint`). The sweep
-spec is saved with the study (``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for
-``muoneq report``, and so are its axes' Optuna distributions
-(:mod:`muoneq.sweeps.distributions`).
+command and kind (grid or search) are recorded as its ``fingerprint``
+(:func:`study_fingerprint`) and a later driver with other values is refused (the grid and the
+seeds may grow; :func:`check_study_fingerprint`). The sweep spec is saved with the study
+(``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for ``muoneq report``, and so are
+its axes' Optuna distributions (:mod:`muoneq.sweeps.distributions`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.HyperbandPruner()
 
 
-def fingerprint(spec: SweepSpec) -> dict:
+def study_fingerprint(spec: SweepSpec) -> dict:
     """What may not change while a study goes on (the grid and seeds may grow)."""
     return {"experiment": spec.experiment, "overrides": list(spec.overrides),
             "objective": [spec.objective.metric, spec.objective.direction],
@@ -71,12 +71,12 @@ def existing_study(spec: SweepSpec, url: str | None,
         return None
 
 
-def check_fingerprint(spec: SweepSpec, study: optuna.Study, url: str | None,
-                      study_dir: Path) -> None:
+def check_study_fingerprint(spec: SweepSpec, study: optuna.Study, url: str | None,
+                            study_dir: Path) -> None:
     """:class:`SweepError` when ``study`` was started with other fixed settings than
     ``spec``'s (a study not yet fingerprinted passes)."""
     recorded = study.user_attrs.get(STUDY_FINGERPRINT)
-    mine = json.loads(json.dumps(fingerprint(spec)))
+    mine = json.loads(json.dumps(study_fingerprint(spec)))
     if recorded is None or recorded == mine:
         return
     changed = sorted(k for k in mine if recorded.get(k) != mine[k])
@@ -103,9 +103,9 @@ def open_study(spec: SweepSpec, url: str | None,
         study_name=spec.study, storage=storage, sampler=sampler(spec), pruner=pruner(spec),
         direction=spec.objective.direction, load_if_exists=True,
     )
-    check_fingerprint(spec, study, url, study_dir)
+    check_study_fingerprint(spec, study, url, study_dir)
     if STUDY_FINGERPRINT not in study.user_attrs:
-        study.set_user_attr(STUDY_FINGERPRINT, json.loads(json.dumps(fingerprint(spec))))
+        study.set_user_attr(STUDY_FINGERPRINT, json.loads(json.dumps(study_fingerprint(spec))))
     if spec.planned:
         recorded = study.user_attrs.get(STUDY_DISTRIBUTIONS)
         merged = distributions.to_json(distributions.merge(

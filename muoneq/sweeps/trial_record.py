@@ -15,7 +15,7 @@ from typing import Any
 from optuna.trial import BaseTrial
 
 #: study user attributes: what may not change while the study goes on
-#: (:func:`muoneq.sweeps.study.fingerprint`), the sweep spec it runs (for the report), what
+#: (:func:`muoneq.sweeps.study.study_fingerprint`), the sweep spec it runs (for the report), what
 #: the plan added and why it stopped (:meth:`muoneq.sweeps.plan.Plan.to_dict`), and the
 #: Optuna distribution of every search axis (:mod:`muoneq.sweeps.distributions`)
 STUDY_FINGERPRINT, STUDY_SPEC, STUDY_PLAN, STUDY_DISTRIBUTIONS = (

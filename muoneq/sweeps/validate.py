@@ -2,7 +2,7 @@
 (:func:`preflight`) that ``--dry-run`` and every start of the sweep run alike.
 
 An existing study must have been started with the same fixed settings
-(:func:`muoneq.sweeps.study.check_fingerprint`: a changed objective is refused before anything
+(:func:`muoneq.sweeps.study.check_study_fingerprint`: a changed objective is refused before anything
 else). When the launch command runs ``muoneq train``, every point's training config is composed
 and type-checked exactly as that command will (:func:`muoneq.runtime.config.compose`, without
 training), and the first bad point stops the sweep with its key and the config error; the
@@ -27,7 +27,7 @@ from muoneq.errors import UserError
 from muoneq.sweeps.launch import trial_command
 from muoneq.sweeps.report_spec import metrics_named
 from muoneq.sweeps.spec import Point, SweepError, SweepSpec
-from muoneq.sweeps.study import check_fingerprint, existing_study
+from muoneq.sweeps.study import check_study_fingerprint, existing_study
 
 #: the words that start the training command in a trial's argv (``… -m muoneq train …``)
 TRAIN_COMMAND = ("muoneq", "train")
@@ -70,7 +70,7 @@ def preflight(spec: SweepSpec, url: str | None, study_dir: Path) -> int:
     nothing. Returns the number of training configs composed (:func:`check_trials`)."""
     found = existing_study(spec, url, study_dir)
     if found is not None:
-        check_fingerprint(spec, found[0], url, study_dir)
+        check_study_fingerprint(spec, found[0], url, study_dir)
     return check_trials(spec, study_dir)
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from muoneq.errors import UserError
+from muoneq.files import atomic_write
 from tasks.language.shards import ShardError, read_header, shard_name, write_shard
 from tasks.language.tokenizer import load_tokenizer
 
@@ -215,9 +216,7 @@ class Preparation:
         return state
 
     def _save(self) -> None:
-        tmp = self.progress_path.with_name(PROGRESS_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, self.progress_path)
+        atomic_write(self.progress_path, json.dumps(self.state, indent=1))
 
     def _path(self, split: str, index: int) -> Path:
         return self.out / shard_name(self.settings["prefix"], split, index)

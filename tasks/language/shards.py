@@ -10,14 +10,13 @@ fixed binary layout that numpy reads directly; no library owns it.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
 from muoneq.errors import DataError, UserError
-from muoneq.files import atomic_write
+from muoneq.files import atomic_open, atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -51,13 +50,9 @@ def write_shard(path: str | Path, tokens) -> Path:
         raise ValueError(f"{path}: token ids must lie in [0, 65535] to fit uint16 shards")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, tokens.size)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb", fsync=True) as f:
         f.write(header.tobytes())
         f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

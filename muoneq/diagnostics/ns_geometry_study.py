@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from muoneq.diagnostics.ns_error import ModeDiagnostics, error_decomposition
+from muoneq.files import atomic_open
 from muoneq.functional import MODES
 
 FAMILIES = ("rotation", "scale")
@@ -166,12 +167,10 @@ def _read_csv(path: Path) -> list[dict]:
 
 def _write_csv(path: Path, fields, rows) -> None:
     """Rewrite ``path`` atomically (a kill leaves the old or the new file, never half of one)."""
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_open(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def _append_csv(path: Path, fields, rows) -> None:
