@@ -359,7 +359,7 @@ def test_an_edited_grid_grows_its_study(tmp_path):
 
 
 def test_the_readme_snippets_are_valid_sweep_blocks():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
     bracket = next(b for b in blocks if "bracket" in b)
     spec = spec_from_dict(sweep(grid=[{"optimizer.lr": [1e-3, 2e-3]}], **bracket))
