@@ -30,15 +30,16 @@ import optuna
 import pytest
 import torch
 import yaml
-from language_helpers import make_documents, write_corpus
-from report_helpers import add_trial
-from runtime_helpers import TINY_RUNS, tiny_cifar10
 
 from muoneq.cli import main
 from muoneq.runtime import compose, train
 from muoneq.runtime.run import find_resume_checkpoint
 from muoneq.sweeps import load_sweep
 from muoneq.sweeps.storage import open_storage
+from tests.helpers.commands import clean_env, make, one_line_error
+from tests.helpers.language import make_documents, write_corpus
+from tests.helpers.report import add_trial
+from tests.helpers.runtime import TINY_RUNS, tiny_cifar10
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
@@ -57,26 +58,6 @@ def tiktoken_cache() -> str:
         if candidate and Path(candidate).is_dir() and any(Path(candidate).iterdir()):
             return str(candidate)
     pytest.skip("needs tiktoken's gpt2 files offline: set TIKTOKEN_CACHE_DIR")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables a test run may have inherited."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
-            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def make(*args: str, env: dict | None = None, timeout: int = 300):
-    return subprocess.run(["make", "-s", "-C", str(REPO), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env or clean_env())
-
-
-def one_line_error(err: str) -> str:
-    """The error line of ``muoneq`` (after any progress output), checked to be the only one."""
-    lines = [line for line in err.splitlines() if line.startswith("muoneq: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    return lines[0]
 
 
 def tiny_cifar_args(tmp_path: Path) -> list[str]:
