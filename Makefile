@@ -39,7 +39,7 @@ demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on 
 	$(PY) -m muoneq.demo
 
 # Token shards (`muoneq data`): TOKENS= training-token budget, OUT= folder, ARGS= more flags
-# (e.g. ARGS="--workers 32 --hf-config sample-10BT"). Re-running resumes; see README "Data".
+# (e.g. ARGS="--workers 32 --hf-config sample-10BT"). Re-running resumes; see docs/language.md "Data".
 data-fineweb: $(STAMP) ## tokenize FineWeb (sample-100BT, GPT-2 BPE) to shards: TOKENS=10.5B OUT=data/fineweb
 	$(PY) -m muoneq data --source fineweb --tokens $(or $(TOKENS),10.5B) --out $(or $(OUT),data/fineweb) $(ARGS)
 
@@ -57,7 +57,7 @@ figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/R
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
 	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
 
-# The GPU check (README "GPU check"): on a lent GPU machine without a registry, carry the wheels
+# The GPU check (docs/performance.md "GPU check"): on a lent GPU machine without a registry, carry the wheels
 # of `make gpu-wheels` (.whl/) and run `bash benchmarks/gpu_machine.sh check` there.
 .PHONY: gpu-check gpu-wheels
 gpu-check: $(STAMP) ## gpu tests, bench, GPT2/ResNet/LLaMA-FSDP2 runs -> benchmarks/results/<device>.json (DEVICE=cpu QUICK=1: smoke run; OUT=)
@@ -72,7 +72,7 @@ gpu-wheels: $(STAMP) ## download the py3.12 wheels a bare GPU machine lacks (ome
 # (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run checks every
 # run's config and lists the runs, ARGS=--status counts them: no report then). Re-running the
 # same target continues an interrupted study; nothing finished is run twice. Output:
-# runs/<study>/report/. GPU-hours assume ~40% MFU on H100-class GPUs (see README "Sweeps").
+# runs/<study>/report/. GPU-hours assume ~40% MFU on H100-class GPUs (see docs/sweeps.md).
 WORKERS ?= 1
 sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --workers $(WORKERS) \
 	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) \

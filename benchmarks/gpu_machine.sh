@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check on a bare GPU machine that reaches no package registry (README "GPU check").
+# The GPU check on a bare GPU machine that reaches no package registry (docs/performance.md "GPU check").
 #
 #   here:  make gpu-wheels                      # = PYTHON=.venv/bin/python gpu_machine.sh wheels
 #   there: bash benchmarks/gpu_machine.sh check [muoneq gpu-check flags]

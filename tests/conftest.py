@@ -1,11 +1,5 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-# tests/reference.py holds the float64 transcriptions of the paper used as references.
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

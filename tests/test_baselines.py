@@ -6,10 +6,10 @@ import copy
 import numpy as np
 import pytest
 import torch
-from reference import QUINTIC, ns_ref
 from torch import nn
 
 from muoneq import AdaMuon, MarsAdamW, Mousse, MuonPlus, NorMuon, build_optimizer, param_groups
+from tests.helpers.reference import QUINTIC, ns_ref
 
 F64 = torch.float64
 NS5 = (QUINTIC,) * 5

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from runtime_helpers import cifar_arrays, write_cifar_batches
 from torch import nn
 
 from muoneq.runtime.optim import build_optimizer_from_config
@@ -18,6 +17,7 @@ from tasks.vision.cifar10_data import (
     normalize,
 )
 from tasks.vision.resnet import CifarResNet
+from tests.helpers.runtime import cifar_arrays, write_cifar_batches
 
 
 def _chw(images: np.ndarray) -> torch.Tensor:
@@ -161,9 +161,8 @@ def test_device_side_augmentation_trains_identically_and_the_network_learns(tmp_
     """``augment_on_device`` moves the same per-sample augmentation after the copy: on the CPU
     both placements give bitwise the same run. The tiny network learns the colour-coded
     classes well above chance (10%)."""
-    from runtime_helpers import tiny_cifar10
-
     from muoneq.runtime import compose, train
+    from tests.helpers.runtime import tiny_cifar10
 
     torch.set_num_threads(1)
     states, metrics = [], []

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference import QUINTIC, diag_pre_ref, ns_ref, polar_ref
 
 from muoneq import diag_pre, newton_schulz
 from muoneq.diagnostics import (
@@ -30,6 +29,7 @@ from muoneq.diagnostics.ns_geometry_study import (
     write_outputs,
 )
 from muoneq.newton_schulz import POLAR_EXPRESS, TAYLOR, newton_schulz_iterates
+from tests.helpers.reference import QUINTIC, diag_pre_ref, ns_ref, polar_ref
 
 RNG = np.random.default_rng(0)
 

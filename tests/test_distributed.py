@@ -18,20 +18,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from layout_helpers import CASES, block_grads, initial_blocks
-from test_layout import run_separate
 from torch import nn
 
 from muoneq import MuonEq
 from muoneq.newton_schulz import ns_flops
 from muoneq.optim import Mousse, NorMuon
 from muoneq.optim.executors import balance, shard_rows
+from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
 
 WORLD = 2
 STEPS = 3
 #: Methods with state of their own (they override only ``_direction``): never split.
 STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
 TOLERANCE = 1e-6
+#: on the path of the Lightning script's process, which imports this module as ``tests.…``
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -362,8 +363,7 @@ LIGHTNING_SCRIPT = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader
     from torch.distributed.fsdp import fully_shard
-    sys.path.insert(0, sys.argv[2])
-    from test_distributed import STEPS, batch, build, make_model
+    from tests.test_distributed import STEPS, batch, build, make_model
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -409,9 +409,10 @@ def test_lightning_model_parallel_strategy_matches_one_process(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(LIGHTNING_SCRIPT)
     out = tmp_path / "params.pt"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(script), str(out), os.path.dirname(__file__)],
+        [sys.executable, str(script), str(out)],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -2,14 +2,15 @@
 
 * Each Makefile target that can run on a CPU runs through ``make`` itself; only its documented
   knobs (``ARGS=``, ``OUT=``, ``QUICK=``, ``TEXT=``, ``STUDY=``) shorten it.
-* Every shell command of the README is parsed from the README and classified in
-  :data:`README_COMMANDS` (a new command fails :func:`test_every_readme_command_is_classified`
-  until it is): run as written in a fresh folder (shortened only by documented options where the
-  real run takes hours), run as written expecting the one-line error a CPU-only offline machine
-  must give, covered by a ``make`` or launcher test here, or skipped with the reason.
-* The README's multi-node launches run on loopback: two ``torchrun`` launchers (c10d rendezvous,
-  gloo, a tiny LLaMA, ``trainer.num_nodes=2``), and two processes with the variables ``srun``
-  sets; both must end with the weights one process reaches.
+* Every shell command of the README and of the pages in ``docs/`` is parsed from those files
+  (:data:`DOCUMENTED_PAGES`) and classified in :data:`README_COMMANDS` (a new command fails
+  :func:`test_every_readme_command_is_classified` until it is): run as written in a fresh
+  folder (shortened only by documented options where the real run takes hours), run as written
+  expecting the one-line error a CPU-only offline machine must give, covered by a ``make`` or
+  launcher test here, or skipped with the reason.
+* The multi-node launches of ``docs/distributed.md`` run on loopback: two ``torchrun``
+  launchers (c10d rendezvous, gloo, a tiny LLaMA, ``trainer.num_nodes=2``), and two processes
+  with the variables ``srun`` sets; both must end with the weights one process reaches.
 """
 
 from __future__ import annotations
@@ -29,18 +30,21 @@ import optuna
 import pytest
 import torch
 import yaml
-from language_helpers import make_documents, write_corpus
-from report_helpers import add_trial
-from runtime_helpers import TINY_RUNS, tiny_cifar10
 
 from muoneq.cli import main
 from muoneq.runtime import compose, train
 from muoneq.runtime.run import find_resume_checkpoint
 from muoneq.sweeps import load_sweep
 from muoneq.sweeps.storage import open_storage
+from tests.helpers.commands import clean_env, make, one_line_error
+from tests.helpers.language import make_documents, write_corpus
+from tests.helpers.report import add_trial
+from tests.helpers.runtime import TINY_RUNS, tiny_cifar10
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
+#: The front page and every topic page: where the documented commands live.
+DOCUMENTED_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,26 +58,6 @@ def tiktoken_cache() -> str:
         if candidate and Path(candidate).is_dir() and any(Path(candidate).iterdir()):
             return str(candidate)
     pytest.skip("needs tiktoken's gpt2 files offline: set TIKTOKEN_CACHE_DIR")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables a test run may have inherited."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
-            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def make(*args: str, env: dict | None = None, timeout: int = 300):
-    return subprocess.run(["make", "-s", "-C", str(REPO), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env or clean_env())
-
-
-def one_line_error(err: str) -> str:
-    """The error line of ``muoneq`` (after any progress output), checked to be the only one."""
-    lines = [line for line in err.splitlines() if line.startswith("muoneq: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    return lines[0]
 
 
 def tiny_cifar_args(tmp_path: Path) -> list[str]:
@@ -166,10 +150,10 @@ def test_make_sweep_targets_dry_run_compose_every_point(tmp_path):
     assert "written to" not in done.stdout and not any(tmp_path.iterdir())
 
 
-# ---------------------------------------------------------------------------- README commands
+# ------------------------------------------------------------------------ documented commands
 @dataclass
 class Doc:
-    """How a README command is exercised."""
+    """How a documented command is exercised."""
 
     kind: str  #: run | cpu_error | make | launch | skip
     detail: str = ""  #: expected output (run), error text (cpu_error), or the reason
@@ -250,9 +234,10 @@ README_COMMANDS: dict[str, Doc] = {
 
 
 def readme_commands() -> dict[str, list[str]]:
-    """The commands of the README's ``bash`` blocks (continuations joined, comments dropped):
-    their words (as the shell passes them) by their words joined with single spaces."""
-    text = (REPO / "README.md").read_text()
+    """The commands of the ``bash`` blocks of the README and ``docs/`` (continuations joined,
+    comments dropped): their words (as the shell passes them) by their words joined with single
+    spaces."""
+    text = "\n".join(page.read_text() for page in DOCUMENTED_PAGES)
     commands = {}
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -376,7 +361,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: int = 300) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_on_two_nodes_ends_where_one_process_does(one_process, tmp_path):
-    """The README's torchrun line, one process per "node", both nodes on this machine."""
+    """The torchrun line of ``docs/distributed.md``, one process per "node", both nodes on
+    this machine."""
     args, reference = one_process
     torchrun = Path(sys.executable).with_name("torchrun")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -392,8 +378,8 @@ def test_torchrun_on_two_nodes_ends_where_one_process_does(one_process, tmp_path
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypatch, capsys):
-    """The README's srun line: two tasks on two "nodes" with the variables srun sets (the
-    port comes from the job id, as Lightning derives it)."""
+    """The srun line of ``docs/distributed.md``: two tasks on two "nodes" with the variables
+    srun sets (the port comes from the job id, as Lightning derives it)."""
     args, reference = one_process
     port = free_port(15000, 19999)
     slurm = {"SLURM_JOB_ID": f"7{port - 15000:04d}", "SLURM_JOB_NAME": "muoneq",
@@ -407,7 +393,7 @@ def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypat
              for rank in range(2)]
     wait_all(procs)
     assert_same_weights(tmp_path / "run", reference)
-    # trainer.devices must match --ntasks-per-node: the README's 4 against 1 task per node
+    # trainer.devices must match --ntasks-per-node: the documented 4 against 1 task per node
     for key, value in {**slurm, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(key, value)
     code = main(["train", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2", *args,
@@ -418,16 +404,17 @@ def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypat
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
-# ------------------------------------------------------------------------------ README signature
+# -------------------------------------------------------------------------- documented signature
 def test_readme_signature_of_muoneq_is_the_real_one():
-    """The README's ``MuonEq(...)`` line lists exactly ``inspect.signature(MuonEq)``: the same
-    names in the same order, the same kinds (keyword-only after ``*``) and defaults."""
+    """The ``MuonEq(...)`` line of ``docs/library.md`` lists exactly
+    ``inspect.signature(MuonEq)``: the same names in the same order, the same kinds
+    (keyword-only after ``*``) and defaults."""
     import ast
     import inspect
 
     from muoneq import MuonEq
 
-    text = " ".join((REPO / "README.md").read_text().split())
+    text = " ".join((REPO / "docs" / "library.md").read_text().split())
     (documented,) = re.findall(r"`MuonEq\((params, \*, [^`]*)\)`", text)
     tree = ast.parse(f"def MuonEq({documented}): pass").body[0].args
     real = inspect.signature(MuonEq).parameters

@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import diag_pre_ref
 
 from muoneq import diag_pre
+from tests.helpers.reference import diag_pre_ref
 
 
 @settings(max_examples=30, deadline=None)

@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from layout_helpers import CASES
-from test_layout import run_separate, run_stored
 from torch import nn
 
 from muoneq import MuonEq, newton_schulz
+from tests.helpers.layout import CASES, run_separate, run_stored
 
 pytestmark = pytest.mark.gpu
 
@@ -78,9 +77,8 @@ def test_benchmark_records_the_gpu(tmp_path):
 
 
 def test_tiny_language_run_on_cuda_in_bf16_reports_mfu(tmp_path):
-    from runtime_helpers import tiny_language
-
     from muoneq.runtime import compose, train
+    from tests.helpers.runtime import tiny_language
 
     cfg = compose(["experiment=llama_tiny_shakespeare", *tiny_language(tmp_path),
                    "trainer.accelerator=cuda", "trainer.devices=1", "trainer.precision=bf16-mixed",

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
-from test_language_task import shards, tiny_args  # noqa: F401 (a fixture and its helper)
 
 from muoneq.cli import main as cli
 from muoneq.runtime import ConfigError, compose, train
 from tasks.language.models import build_model
+from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +88,7 @@ def test_hf_keys_belong_to_arch_hf():
 
 
 @pytest.mark.slow
-def test_a_phi3_style_model_trains_with_fused_splits_through_the_cli(shards, tmp_path):  # noqa: F811
+def test_a_phi3_style_model_trains_with_fused_splits_through_the_cli(shards, tmp_path):
     """A Phi-3-style model (fused Q/K/V and gate/up) at the suite's tiny size, the fused blocks
     split (``optimizer.split_fused=true``); the run folder says where each tensor went."""
     args = tiny_args(shards, tmp_path / "run", "task.model.arch=hf",
@@ -108,7 +108,7 @@ def test_a_phi3_style_model_trains_with_fused_splits_through_the_cli(shards, tmp
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp2_shards_the_decoder_layers_and_ends_where_one_process_does(shards, qwen_config,  # noqa: F811
+def test_fsdp2_shards_the_decoder_layers_and_ends_where_one_process_does(shards, qwen_config,
                                                                         tmp_path):
     common = [f"task.model.hf_config={qwen_config}", "task.model.arch=hf",
               "task.model.size=null", "trainer.max_steps=4", "schedule.total_steps=4",

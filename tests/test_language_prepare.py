@@ -4,11 +4,11 @@ import json
 
 import numpy as np
 import pytest
-from language_helpers import FORMATS, make_documents, tiny_hf_tokenizer_file, write_corpus
 
 import tasks.language.prepare as prepare
 from muoneq.cli import main as cli
 from tasks.language.shards import find_shards, open_shard
+from tests.helpers.language import FORMATS, make_documents, tiny_hf_tokenizer_file, write_corpus
 
 
 def byte_tokens(docs):

@@ -5,7 +5,6 @@ import struct
 import numpy as np
 import pytest
 import tiktoken
-from language_helpers import tiny_hf_tokenizer_file, tiny_tiktoken_file
 
 from tasks.language.shards import (
     ShardError,
@@ -16,6 +15,7 @@ from tasks.language.shards import (
     write_shard,
 )
 from tasks.language.tokenizer import load_tokenizer
+from tests.helpers.language import tiny_hf_tokenizer_file, tiny_tiktoken_file
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, n=None):
@@ -158,9 +158,8 @@ def test_token_ids_are_checked_against_the_vocabulary_once(tmp_path, monkeypatch
 
 
 def test_training_on_shards_of_another_vocabulary_is_one_line(tmp_path, capsys):
-    from runtime_helpers import tiny_language
-
     from muoneq.cli import main
+    from tests.helpers.runtime import tiny_language
 
     args = tiny_language(tmp_path)
     shard = sorted((tmp_path / "shards").glob("*_train_*.bin"))[-1]

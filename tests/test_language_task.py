@@ -6,10 +6,14 @@ import math
 import lightning as L
 import pytest
 import torch
-from language_helpers import make_documents, write_corpus
 
-from muoneq.cli import main as cli
 from muoneq.runtime import compose, train
+from tests.helpers.language import (  # noqa: F401 (a fixture)
+    language_shards,
+    make_documents,
+    tiny_args,
+    write_corpus,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,26 +63,6 @@ def test_recipes_pin_the_paper_tables(experiment):
         assert cfg.schedule.name.value == "cosine"
         assert cfg.schedule.warmup_steps == paper["warmup"]
         assert trainer.precision == "bf16-mixed" and trainer.gradient_clip_val == 1.0
-
-
-@pytest.fixture
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lang")
-    corpus = write_corpus(folder, "jsonl", make_documents(1500))
-    assert cli(["data", "--source", str(corpus), "--out", str(folder / "shards"),
-                "--tokenizer", "byte", "--val-tokens", "1024", "--workers", "1"]) == 0
-    return folder / "shards"
-
-
-def tiny_args(shards, run_dir, *extra) -> list[str]:
-    """Command-line overrides of a tiny LLaMA run on ``shards`` (byte tokens)."""
-    return [
-        "experiment=llama_tiny_shakespeare", f"task.data.dir={shards}",
-        "task.data.tokenizer=byte", "task.data.seq_len=32", "task.data.batch_size=8",
-        "task.data.micro_batch_size=4", "task.data.val_tokens=1024", "task.val_every_n_steps=10",
-        "trainer.max_steps=30", "schedule.total_steps=30", "schedule.warmup_steps=3",
-        "trainer.progress=quiet", f"run.dir={run_dir}", *extra,
-    ]
 
 
 def tiny(shards, run_dir, *extra):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from language_helpers import FORMATS, make_documents, tiny_tiktoken_file, write_corpus
 from torch.utils.data import DataLoader
 
 from muoneq import MuonEq, param_groups
@@ -17,6 +16,7 @@ from tasks.language.data import (
 from tasks.language.models import build_model
 from tasks.language.shards import find_shards
 from tasks.language.tokenizer import load_tokenizer
+from tests.helpers.language import FORMATS, make_documents, tiny_tiktoken_file, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

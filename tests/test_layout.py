@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_helpers import CASES, block_grads, initial_blocks
 from torch import nn
 
 from muoneq import MuonEq
 from muoneq.layout import MatrixLayout
 from muoneq.optim import AdaMuon, Mousse, MuonPlus, NorMuon
+from tests.helpers.layout import CASES, run_separate, run_stored
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-STEPS = 3
-
-
-def run_stored(case, make, steps=STEPS, device="cpu"):
-    """Steps on the stored parameter, with the case's layout keys."""
-    p = nn.Parameter(case.stored(initial_blocks(case)).to(device))
-    opt = make([{"params": [p], **case.keys}])
-    for t in range(steps):
-        p.grad = case.stored(block_grads(case, t)).to(device)
-        opt.step()
-    return p.detach().cpu()
-
-
-def run_separate(case, make, steps=STEPS, device="cpu"):
-    """The same steps on the blocks as separate plain matrices; returns them stored."""
-    blocks = [nn.Parameter(b.to(device)) for b in initial_blocks(case)]
-    opt = make([{"params": blocks}])
-    for t in range(steps):
-        for b, g in zip(blocks, block_grads(case, t), strict=True):
-            b.grad = g.to(device)
-        opt.step()
-    return case.stored([b.detach().cpu() for b in blocks])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -7,13 +7,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from reference import QUINTIC, muoneq_ref
 from torch import nn
 
 import muoneq
 from muoneq import MuonEq, muoneq_update
 from muoneq.functional import lr_scale, update_parameter
 from muoneq.newton_schulz import resolve_dtype
+from tests.helpers.reference import QUINTIC, muoneq_ref
 
 F64 = torch.float64
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from reference import ns_ref, polar_ref
 
 from muoneq import diag_pre, newton_schulz
 from muoneq.newton_schulz import POLAR_EXPRESS, QUINTIC, TAYLOR, ns_flops
+from tests.helpers.reference import ns_ref, polar_ref
 
 
 def spectrum_matrix(m, n, singular_values, seed=0):

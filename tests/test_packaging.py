@@ -1,4 +1,4 @@
-"""Two layers, two install targets (README "Install", "Architecture").
+"""Two layers, two install targets (README "Install", docs/architecture.md).
 
 * the library (``pip install muoneq``) needs torch and numpy only: importing it, stepping an
   optimizer and computing the diagnostics' metrics work with every suite package blocked;

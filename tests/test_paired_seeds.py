@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
-from runtime_helpers import TINY_RUNS
 
 from muoneq.runtime import compose, conf_dir, train
+from tests.helpers.runtime import TINY_RUNS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,6 @@ import csv
 import pytest
 from matplotlib.image import imread
 from optuna.trial import TrialState
-from report_helpers import add_trial, stored_study
 
 from muoneq.report import load_study_data, write_report
 from muoneq.report.cli import main as report_main
@@ -22,6 +21,7 @@ from muoneq.report.figures import (
 )
 from muoneq.report.tables import build_table, to_latex, to_markdown
 from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
+from tests.helpers.report import add_trial, stored_study
 
 NAN = float("nan")
 

@@ -11,7 +11,6 @@ import optuna
 import pytest
 import yaml
 from matplotlib.image import imread
-from report_helpers import add_trial
 from torch.utils.tensorboard import SummaryWriter
 
 from muoneq.demo import demo_sweep
@@ -24,6 +23,7 @@ from muoneq.runtime import compose
 from muoneq.sweeps.report_spec import MetricColumn, TableSpec
 from muoneq.sweeps.spec import SweepError, load_sweep, spec_from_dict, spec_to_dict
 from muoneq.sweeps.storage import open_storage
+from tests.helpers.report import add_trial
 
 SWEEPS = Path(__file__).parents[1] / "sweeps"
 T_975_2 = 4.302652729749462  # t_{0.975, 2}, as printed in Student-t tables (4.303)

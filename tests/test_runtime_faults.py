@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import Losses, StopAt, tiny
 
 from muoneq.cli import main
 from muoneq.errors import DiskFull
 from muoneq.runtime import ConfigError, compose, train
 from muoneq.runtime import checkpoints as ckpts
 from muoneq.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+from tests.helpers.runtime import Losses, StopAt, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from runtime_helpers import TINY_RUNS, Losses, StopAt, tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
@@ -24,6 +23,7 @@ from muoneq.runtime.metrics import metric_keys
 from muoneq.runtime.run import find_resume_checkpoint
 from tasks.vision.cifar10_data import load_cifar10, normalize
 from tasks.vision.resnet import CifarResNet
+from tests.helpers.runtime import TINY_RUNS, Losses, StopAt, tiny
 
 EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
 
@@ -62,7 +62,7 @@ def metrics_root(tmp_path: Path) -> str:
 def test_every_experiment_runs_one_tiny_step(tmp_path, path):
     task_file = OmegaConf.load(path).defaults.task
     task = OmegaConf.load(conf_dir() / "task" / f"{task_file}.yaml").get("name", task_file)
-    assert task in TINY_RUNS, f"add a tiny-run entry for task {task!r} to tests/runtime_helpers.py"
+    assert task in TINY_RUNS, f"add a tiny-run entry for task {task!r} to tests/helpers/runtime.py"
     cfg = compose([
         f"experiment={path.stem}", *TINY_RUNS[task](tmp_path), "trainer.max_epochs=null",
         "trainer.max_steps=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",

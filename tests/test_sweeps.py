@@ -26,42 +26,14 @@ import yaml
 from optuna.trial import TrialState
 
 import muoneq
-from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
-from muoneq.sweeps.storage import open_storage
+from muoneq.sweeps import Driver, SweepError, load_sweep
 from muoneq.sweeps.validate import check_trials
+from tests.helpers.sweeps import REPO, load, options, write_sweep
 
-#: the driver's bookkeeping is tested on trials whose objective is a known function (they start
-#: in a blink); pruning needs a learning curve: a real optimization (the trial program)
-OBJECTIVE = Path(__file__).with_name("sweep_objective_program.py")
+#: the driver's bookkeeping is tested on trials whose objective is a known function
+#: (helpers.sweeps.COMMAND); pruning needs a learning curve: a real optimization (this program)
 PROGRAM = Path(__file__).with_name("test_sweeps_trial_program.py")
-REPO = Path(__file__).resolve().parents[1]
-COMMAND = f"{{python}} {OBJECTIVE} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
 TRAINING = f"{{python}} {PROGRAM} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
-
-
-def write_sweep(path: Path, **fields) -> Path:
-    spec = {
-        "study": "tiny",
-        "experiment": "teacher",
-        "overrides": ["steps=20"],
-        "seeds": [0, 1],
-        "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.02]}],
-        "objective": {"metric": "val_loss", "direction": "minimize"},
-        "launch": {"command": COMMAND},
-        "retry": {"max_retries": 1, "heartbeat_s": 0.5, "stale_after_s": 5.0},
-    }
-    spec.update(fields)
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-def options(tmp_path: Path, **kw) -> DriverOptions:
-    return DriverOptions(runs_dir=tmp_path / "runs", poll_s=0.2, tick_s=0.1, **kw)
-
-
-def load(tmp_path: Path, study: str = "tiny", storage: str | None = None) -> optuna.Study:
-    return optuna.load_study(study_name=study,
-                             storage=open_storage(storage, tmp_path / "runs" / study))
 
 
 def completed_by_key(study: optuna.Study) -> dict[str, list]:

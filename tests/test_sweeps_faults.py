@@ -14,13 +14,13 @@ import pytest
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
-from test_sweeps import options, write_sweep
 
 from muoneq.errors import DiskFull
 from muoneq.sweeps import Driver, SweepError, launch, load_sweep
 from muoneq.sweeps.storage import JournalError, open_storage
 from muoneq.sweeps.trial_record import TrialRecord
 from muoneq.sweeps.verdict import judge
+from tests.helpers.sweeps import options, write_sweep
 
 
 def trials_of(storage) -> list[tuple]:

@@ -9,38 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import (
-    SCALARS,
-    TENSORS,
-    EventAccumulator,
-)
 from tensorboard.plugins.hparams import metadata
-from test_sweeps import options, write_sweep
 
 from muoneq.sweeps import Driver, load_sweep
 from muoneq.sweeps.events import ScalarReader
-
-
-def read(folder: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(folder), size_guidance={SCALARS: 0, TENSORS: 0})
-    acc.Reload()
-    return acc
+from tests.helpers.sweeps import options, read, session, write_sweep
 
 
 def experiment(study_dir: Path):
     content = read(study_dir / "hparams").PluginTagToContent(metadata.PLUGIN_NAME)
     return metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
-
-
-def session(run_dir: Path) -> tuple[str, dict, dict[str, float]]:
-    """A run's session: its group name, hparams and the last value of each scalar."""
-    acc = read(run_dir / "hparams")
-    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
-    start = metadata.parse_session_start_info_plugin_data(
-        content[metadata.SESSION_START_INFO_TAG])
-    hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
-    scalars = {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
-    return start.group_name, hparams, scalars
 
 
 def test_a_two_axis_study_declares_its_axes_and_metrics_and_one_session_per_run(tmp_path):

@@ -12,15 +12,15 @@ import matplotlib
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
-from report_helpers import add_trial, stored_study
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_sweeps import load, options, write_sweep
 
 from muoneq.report import load_study_data, write_report
 from muoneq.sweeps import Driver, load_sweep
 from muoneq.sweeps.distributions import merge, spec_distributions
 from muoneq.sweeps.spec import spec_from_dict
 from muoneq.sweeps.trial_record import TrialRecord
+from tests.helpers.report import add_trial, stored_study
+from tests.helpers.sweeps import load, options, write_sweep
 
 matplotlib.use("Agg")
 

@@ -3,9 +3,10 @@
 The plan is a pure function of the results: the first tests drive it with a known objective in
 this process (each round "runs" every point the plan holds and plans again); the others run the
 real driver on trial processes whose objective is a known function of the learning rate and
-momentum (tests/sweep_objective_program.py): bracketing until the optimum is interior, stopping
-at ``max_extensions``, resuming after a killed driver without repeating a run; coordinate descent
-reaching the known optimum; the report, ``--status`` and ``--dry-run`` showing what was added.
+momentum (tests/helpers/sweep_objective_program.py): bracketing until the optimum is interior,
+stopping at ``max_extensions``, resuming after a killed driver without repeating a run;
+coordinate descent reaching the known optimum; the report, ``--status`` and ``--dry-run``
+showing what was added.
 """
 
 from __future__ import annotations
@@ -29,11 +30,8 @@ from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
 from muoneq.sweeps.plan import make_plan, spacing, step
 from muoneq.sweeps.spec import spec_from_dict
 from muoneq.sweeps.storage import open_storage
-
-PROGRAM = Path(__file__).with_name("sweep_objective_program.py")
-COMMAND = f"{{python}} {PROGRAM} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
-sys.path.insert(0, str(PROGRAM.parent))
-from sweep_objective_program import objective  # noqa: E402
+from tests.helpers.sweep_objective_program import objective
+from tests.helpers.sweeps import COMMAND
 
 
 def sweep(**fields) -> dict:
@@ -359,7 +357,7 @@ def test_an_edited_grid_grows_its_study(tmp_path):
 
 
 def test_the_readme_snippets_are_valid_sweep_blocks():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
     bracket = next(b for b in blocks if "bracket" in b)
     spec = spec_from_dict(sweep(grid=[{"optimizer.lr": [1e-3, 2e-3]}], **bracket))

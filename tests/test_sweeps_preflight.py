@@ -12,9 +12,6 @@ import json
 import optuna
 import pytest
 import yaml
-from report_helpers import add_trial
-from test_documented_commands import make, one_line_error
-from test_sweeps import REPO, load, options, write_sweep
 
 from muoneq.cli import main
 from muoneq.runtime import compose
@@ -22,6 +19,9 @@ from muoneq.runtime.metrics import metric_keys
 from muoneq.sweeps import Driver, load_sweep
 from muoneq.sweeps.spec import spec_to_dict
 from muoneq.sweeps.storage import open_storage
+from tests.helpers.commands import make, one_line_error
+from tests.helpers.report import add_trial
+from tests.helpers.sweeps import REPO, load, options, write_sweep
 
 GPT2 = str(REPO / "sweeps" / "ablation-gpt2.yaml")
 

@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import yaml
-from runtime_helpers import tiny_cifar10
 from tensorboard.plugins.hparams import metadata
-from test_sweeps_hparams import read, session
 
 from muoneq.report import load_study_data, write_report
 from muoneq.runtime import conf_dir
 from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
+from tests.helpers.runtime import tiny_cifar10
+from tests.helpers.sweeps import read, session
 
 pytest.importorskip("muoneq.runtime.run")
 

@@ -616,7 +616,7 @@ def earlier_parts(path: Path, device: str, quick: bool, running: list[str]) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="muoneq gpu-check", description="Check every GPU path and record what it measured: "
-        f"{', '.join(PARTS)} (README, 'GPU check').")
+        f"{', '.join(PARTS)} (docs/performance.md, 'GPU check').")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     parser.add_argument("--quick", action="store_true",
                         help="miniature shapes, no torch.compile: smoke values (CPU: required)")

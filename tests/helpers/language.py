@@ -7,6 +7,9 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+
+from muoneq.cli import main as cli
 
 FORMATS = ("jsonl", "json.gz", "parquet", "txt")
 
@@ -74,3 +77,24 @@ def tiny_hf_tokenizer_file(path):
     tok.train_from_iterator(make_documents(200, seed=1) + ["< / s >"], trainer)
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(name="shards")
+def language_shards(tmp_path_factory):
+    """Byte-token shards of a small corpus; a test module imports it to use ``shards``."""
+    folder = tmp_path_factory.mktemp("lang")
+    corpus = write_corpus(folder, "jsonl", make_documents(1500))
+    assert cli(["data", "--source", str(corpus), "--out", str(folder / "shards"),
+                "--tokenizer", "byte", "--val-tokens", "1024", "--workers", "1"]) == 0
+    return folder / "shards"
+
+
+def tiny_args(shards, run_dir, *extra) -> list[str]:
+    """Command-line overrides of a tiny LLaMA run on ``shards`` (byte tokens)."""
+    return [
+        "experiment=llama_tiny_shakespeare", f"task.data.dir={shards}",
+        "task.data.tokenizer=byte", "task.data.seq_len=32", "task.data.batch_size=8",
+        "task.data.micro_batch_size=4", "task.data.val_tokens=1024", "task.val_every_n_steps=10",
+        "trainer.max_steps=30", "schedule.total_steps=30", "schedule.warmup_steps=3",
+        "trainer.progress=quiet", f"run.dir={run_dir}", *extra,
+    ]

@@ -1,6 +1,6 @@
 """A trial program whose objective is a known function of its hyper-parameters (no training).
 
-Run as ``python tests/sweep_objective_program.py optimizer.lr=0.02 [optimizer.momentum=0.9]
+Run as ``python tests/helpers/sweep_objective_program.py optimizer.lr=0.02 [optimizer.momentum=0.9]
 [opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] [fail_first=false] [config_error=false] seed=0
 run.dir=DIR``: it writes ``metrics.json`` with ``val_loss = log2(lr / opt_lr)² + ((momentum −
 opt_momentum) / 0.05)² + 0.001·seed`` (the momentum term only when a momentum is given), so the

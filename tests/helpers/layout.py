@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,28 @@ def block_grads(case: LayoutCase, step: int) -> list[Tensor]:
 def initial_blocks(case: LayoutCase) -> list[Tensor]:
     gen = torch.Generator().manual_seed(3)
     return [torch.randn(shape, generator=gen) / shape[1] ** 0.5 for shape in case.blocks]
+
+
+#: optimizer steps a layout test compares
+STEPS = 3
+
+
+def run_stored(case, make, steps=STEPS, device="cpu"):
+    """Steps on the stored parameter, with the case's layout keys."""
+    p = nn.Parameter(case.stored(initial_blocks(case)).to(device))
+    opt = make([{"params": [p], **case.keys}])
+    for t in range(steps):
+        p.grad = case.stored(block_grads(case, t)).to(device)
+        opt.step()
+    return p.detach().cpu()
+
+
+def run_separate(case, make, steps=STEPS, device="cpu"):
+    """The same steps on the blocks as separate plain matrices; returns them stored."""
+    blocks = [nn.Parameter(b.to(device)) for b in initial_blocks(case)]
+    opt = make([{"params": blocks}])
+    for t in range(steps):
+        for b, g in zip(blocks, block_grads(case, t), strict=True):
+            b.grad = g.to(device)
+        opt.step()
+    return case.stored([b.detach().cpu() for b in blocks])
