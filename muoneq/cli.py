@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if debug:
             raise
-        print(format_error(err), file=sys.stderr)
+        # one write: the processes of a distributed run share the stream, and print() writes
+        # the newline apart, so that their lines could run together
+        sys.stderr.write(format_error(err) + "\n")
         return err.exit_code
     except ModuleNotFoundError as err:
         if debug or err.name is None or err.name.partition(".")[0] in OWN_PACKAGES:
