@@ -75,6 +75,19 @@ def view_study(data: StudyData) -> tuple[optuna.Study, list[str]]:
     return study, axes
 
 
+def _make_room(fig, name: str, n_axes: int) -> None:
+    """Optuna draws its n×n contour grid (1×n slices) at one fixed figure size: from three axes
+    on, axis names and category labels of neighbouring panels run into each other. Give each
+    panel a fixed size and slant the x tick labels."""
+    width, height = fig.get_size_inches()
+    rows = n_axes if name == "optuna_contour" else 1
+    fig.set_size_inches(max(width, 3.4 * n_axes + 1.5), max(height, 3.0 * rows + 0.8))
+    for ax in fig.axes:
+        for label in ax.get_xticklabels():
+            label.set_rotation(25)
+            label.set_horizontalalignment("right")
+
+
 def write_views(data: StudyData, out_dir: Path, writer=None) -> OptunaViews | None:
     """Importances, contour and slice plots (PNG, and TensorBoard images) of a study with two
     or more varying axes; None for a study with fewer."""
@@ -105,6 +118,8 @@ def write_views(data: StudyData, out_dir: Path, writer=None) -> OptunaViews | No
             drawn = draw()
             first = drawn.flat[0] if hasattr(drawn, "flat") else drawn
             fig = first.figure
+            if name != "optuna_importances":
+                _make_room(fig, name, len(axes))
             for ax in fig.axes:  # log axes: Optuna's minor labels (2×10⁻¹ …) run into each other
                 for axis in (ax.xaxis, ax.yaxis):
                     if axis.get_scale() == "log":
