@@ -36,7 +36,7 @@ lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
 demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on CPU
-	$(PY) -m muoneq.demo
+	$(PY) -m muoneq demo
 
 # Token shards (`muoneq data`): TOKENS= training-token budget, OUT= folder, ARGS= more flags
 # (e.g. ARGS="--workers 32 --hf-config sample-10BT"). Re-running resumes; see docs/language.md "Data".

@@ -1,5 +1,5 @@
 import sys
 
-from muoneq.cli import main
+from muoneq.suite.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ say their timings are smoke values, FLOP and thread counts read right."""
 import pytest
 import torch
 
-from muoneq.benchmarks.bench_step import device_label, device_name, sig3, table
+from muoneq.suite.benchmarks.bench_step import device_label, device_name, sig3, table
 
 
 def row(ms: float, vs_torch: float, vs_muon: float, ns_dtype: str = "bfloat16") -> dict:

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from muoneq.runtime.optim import build_optimizer_from_config
-from tasks.vision.cifar10_data import (
+from muoneq.suite.runtime.optim import build_optimizer_from_config
+from muoneq_tasks.vision.cifar10_data import (
     augmentation_params,
     crop_flip,
     load_cifar10,
     normalize,
 )
-from tasks.vision.resnet import CifarResNet
+from muoneq_tasks.vision.resnet import CifarResNet
 from tests.helpers.runtime import cifar_arrays, write_cifar_batches
 
 
@@ -161,7 +161,7 @@ def test_device_side_augmentation_trains_identically_and_the_network_learns(tmp_
     """``augment_on_device`` moves the same per-sample augmentation after the copy: on the CPU
     both placements give bitwise the same run. The tiny network learns the colour-coded
     classes well above chance (10%)."""
-    from muoneq.runtime import compose, train
+    from muoneq.suite.runtime import compose, train
     from tests.helpers.runtime import tiny_cifar10
 
     torch.set_num_threads(1)

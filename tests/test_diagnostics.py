@@ -21,14 +21,14 @@ from muoneq.diagnostics import (
     stable_rank,
     theorem_applies,
 )
-from muoneq.diagnostics.ns_geometry_study import (
+from muoneq.newton_schulz import POLAR_EXPRESS, TAYLOR, newton_schulz_iterates
+from muoneq.suite.spectra.ns_geometry_study import (
     StudyConfig,
     rotation_invariant,
     run_study,
     scale_imbalanced,
     write_outputs,
 )
-from muoneq.newton_schulz import POLAR_EXPRESS, TAYLOR, newton_schulz_iterates
 from tests.helpers.reference import QUINTIC, diag_pre_ref, ns_ref, polar_ref
 
 RNG = np.random.default_rng(0)
@@ -251,7 +251,7 @@ def test_study_writes_resumes_and_refuses_a_different_configuration(tmp_path):
 
 
 def test_cli_reports_bad_arguments(tmp_path, capsys):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     with pytest.raises(SystemExit):
         main(["spectra", "--sizes", "12by20"])
@@ -264,7 +264,7 @@ def test_figures_keep_titles_inside_and_legends_off_the_data():
     the panels (none on an axes), and linear axes carry plain tick labels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from muoneq.diagnostics import figures
+    from muoneq.suite.spectra import figures
 
     modes, spreads, sizes = ("none", "R", "C", "RC"), (10.0, 1000.0), ((8, 8), (8, 32))
     curves = {(s, m, n, mo): [1.0 - 0.1 * k for k in range(6)]

@@ -31,11 +31,11 @@ import pytest
 import torch
 import yaml
 
-from muoneq.cli import main
-from muoneq.runtime import compose, train
-from muoneq.runtime.run import find_resume_checkpoint
-from muoneq.sweeps import load_sweep
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.cli import main
+from muoneq.suite.runtime import compose, train
+from muoneq.suite.runtime.run import find_resume_checkpoint
+from muoneq.suite.sweeps import load_sweep
+from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.commands import clean_env, make, one_line_error
 from tests.helpers.language import make_documents, write_corpus
 from tests.helpers.report import add_trial
@@ -124,7 +124,7 @@ def test_make_report(tmp_path):
     study_dir = tmp_path / "runs" / "mini"
     study = optuna.create_study(study_name="mini", storage=open_storage(None, study_dir),
                                 direction="maximize")
-    from muoneq.sweeps.spec import spec_to_dict
+    from muoneq.suite.sweeps.spec import spec_to_dict
 
     study.set_user_attr("spec", spec_to_dict(spec))
     for i, p in enumerate(spec.points()):
@@ -271,7 +271,7 @@ def _setup_files(kind: str, folder: Path) -> None:
                                      if d.kind in ("run", "cpu_error")])
 def test_readme_command_runs_as_written(command, tmp_path, monkeypatch, capsys):
     """In a fresh folder beside the checkout's sweeps/, in this process (``muoneq`` is
-    ``muoneq.cli:main``; a launcher line runs the command it launches)."""
+    ``muoneq.suite.cli:main``; a launcher line runs the command it launches)."""
     doc = README_COMMANDS[command]
     words = readme_commands()[command]
     if words[0] == "torchrun":  # the command torchrun starts on each process

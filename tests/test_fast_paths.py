@@ -192,7 +192,7 @@ def test_compiled_newton_schulz_differs_only_by_rounding():
 
 
 def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
-    from muoneq.benchmarks.bench_step import main
+    from muoneq.suite.benchmarks.bench_step import main
 
     out = tmp_path / "bench.json"
     assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--out", str(out)]) == 0

@@ -1,10 +1,10 @@
-"""muoneq.files: file names from free text and writes that a failure leaves whole."""
+"""muoneq.suite.files: file names from free text and writes that a failure leaves whole."""
 
 from __future__ import annotations
 
 import pytest
 
-from muoneq.files import atomic_open, atomic_write, slug
+from muoneq.suite.files import atomic_open, atomic_write, slug
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path):

@@ -65,7 +65,7 @@ def test_bf16_newton_schulz_on_cuda_is_as_accurate_as_on_cpu():
 
 
 def test_benchmark_records_the_gpu(tmp_path):
-    from muoneq.benchmarks.bench_step import main
+    from muoneq.suite.benchmarks.bench_step import main
 
     out = tmp_path / "bench.json"
     assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--device", "cuda",
@@ -77,7 +77,7 @@ def test_benchmark_records_the_gpu(tmp_path):
 
 
 def test_tiny_language_run_on_cuda_in_bf16_reports_mfu(tmp_path):
-    from muoneq.runtime import compose, train
+    from muoneq.suite.runtime import compose, train
     from tests.helpers.runtime import tiny_language
 
     cfg = compose(["experiment=llama_tiny_shakespeare", *tiny_language(tmp_path),

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from muoneq.benchmarks import gpu_check
-from muoneq.benchmarks.bench_step import device_name
+from muoneq.suite.benchmarks import gpu_check
+from muoneq.suite.benchmarks.bench_step import device_name
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

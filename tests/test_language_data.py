@@ -11,14 +11,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from tasks.language.data import (
+from muoneq_tasks.language.data import (
     PackedSequences,
     SequenceSampler,
     ShardedEvalSampler,
     TokenStream,
     validation_sequences,
 )
-from tasks.language.shards import write_shard
+from muoneq_tasks.language.shards import write_shard
 
 
 @pytest.fixture

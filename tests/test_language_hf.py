@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from muoneq.cli import main as cli
-from muoneq.runtime import ConfigError, compose, train
-from tasks.language.models import build_model
+from muoneq.suite.cli import main as cli
+from muoneq.suite.runtime import ConfigError, compose, train
+from muoneq_tasks.language.models import build_model
 from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,7 +123,7 @@ def test_fsdp2_shards_the_decoder_layers_and_ends_where_one_process_does(shards,
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = json.loads((tmp_path / "fsdp2" / "metrics.json").read_text())
     # the distributed checkpoint (a folder of every rank's file) has checksums for every file
-    from muoneq.runtime import checkpoints
+    from muoneq.suite.runtime import checkpoints
 
     folder, damaged = checkpoints.resume_point(tmp_path / "fsdp2")
     listed = checkpoints.checksum_path(folder).read_text().split()[1::2]

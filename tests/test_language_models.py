@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from muoneq import MuonEq, param_groups
-from tasks.language.base import pad_vocab
-from tasks.language.llama import apply_rotary, rotary_cos_sin
-from tasks.language.models import build_model
+from muoneq_tasks.language.base import pad_vocab
+from muoneq_tasks.language.llama import apply_rotary, rotary_cos_sin
+from muoneq_tasks.language.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-import tasks.language.prepare as prepare
-from muoneq.cli import main as cli
-from tasks.language.shards import find_shards, open_shard
+import muoneq_tasks.language.prepare as prepare
+from muoneq.suite.cli import main as cli
+from muoneq_tasks.language.shards import find_shards, open_shard
 from tests.helpers.language import FORMATS, make_documents, tiny_hf_tokenizer_file, write_corpus
 
 

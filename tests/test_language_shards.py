@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-from tasks.language.shards import (
+from muoneq_tasks.language.shards import (
     ShardError,
     find_shards,
     open_shard,
@@ -14,7 +14,7 @@ from tasks.language.shards import (
     shard_name,
     write_shard,
 )
-from tasks.language.tokenizer import load_tokenizer
+from muoneq_tasks.language.tokenizer import load_tokenizer
 from tests.helpers.language import tiny_hf_tokenizer_file, tiny_tiktoken_file
 
 
@@ -140,7 +140,7 @@ def test_named_encoding_through_tiktoken(monkeypatch):
 
 
 def test_token_ids_are_checked_against_the_vocabulary_once(tmp_path, monkeypatch):
-    from tasks.language import shards
+    from muoneq_tasks.language import shards
 
     path = write_shard(tmp_path / shard_name("x", "train", 0), [5, 300, 7])
     assert shards.max_token_id(path) == 300
@@ -158,7 +158,7 @@ def test_token_ids_are_checked_against_the_vocabulary_once(tmp_path, monkeypatch
 
 
 def test_training_on_shards_of_another_vocabulary_is_one_line(tmp_path, capsys):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
     from tests.helpers.runtime import tiny_language
 
     args = tiny_language(tmp_path)

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from muoneq.runtime import compose, train
+from muoneq.suite.runtime import compose, train
 from tests.helpers.language import (  # noqa: F401 (a fixture)
     language_shards,
     make_documents,
@@ -132,7 +132,7 @@ def test_resumed_run_matches_an_uninterrupted_one(shards, tmp_path):
 
 
 def final_weights(cfg, tmp_path):
-    from muoneq.runtime.run import find_resume_checkpoint
+    from muoneq.suite.runtime.run import find_resume_checkpoint
 
     train(cfg)
     ckpt = torch.load(find_resume_checkpoint(tmp_path), map_location="cpu", weights_only=False)
@@ -154,7 +154,7 @@ def test_accumulation_averages_micro_batches(shards, tmp_path):
 
 
 def test_config_errors(shards, tmp_path):
-    from muoneq.runtime import ConfigError
+    from muoneq.suite.runtime import ConfigError
 
     with pytest.raises(ConfigError, match="multiple of task.data.seq_len"):
         tiny(shards, tmp_path, "task.data.val_tokens=1000")

@@ -5,17 +5,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from muoneq import MuonEq, param_groups
-from muoneq.cli import main as cli
-from tasks.language.base import lm_loss, pad_vocab
-from tasks.language.data import (
+from muoneq.suite.cli import main as cli
+from muoneq_tasks.language.base import lm_loss, pad_vocab
+from muoneq_tasks.language.data import (
     PackedSequences,
     SequenceSampler,
     TokenStream,
     validation_sequences,
 )
-from tasks.language.models import build_model
-from tasks.language.shards import find_shards
-from tasks.language.tokenizer import load_tokenizer
+from muoneq_tasks.language.models import build_model
+from muoneq_tasks.language.shards import find_shards
+from muoneq_tasks.language.tokenizer import load_tokenizer
 from tests.helpers.language import FORMATS, make_documents, tiny_tiktoken_file, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,6 +2,8 @@
 
 * the library (``pip install muoneq``) needs torch and numpy only: importing it, stepping an
   optimizer and computing the diagnostics' metrics work with every suite package blocked;
+* the import rule: no module of ``muoneq/`` outside ``muoneq/suite/`` imports the suite, the
+  workloads (``muoneq_tasks``) or anything but the standard library, torch and numpy;
 * the suite's commands without the suite say so in one line, naming the extra;
 * composing a config never imports Lightning;
 * a task is found through the ``muoneq.tasks`` entry points, a third-party one included;
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -27,13 +30,21 @@ from pathlib import Path
 
 import pytest
 
-from muoneq.report import load_study_data
-from muoneq.runtime import ConfigError, compose, conf_dir
-from muoneq.runtime.tasks import ENTRY_POINT_GROUP, TaskSpec, get_task, register_task, task_names
-from muoneq.suite_files import suite_folder
-from muoneq.sweeps import SweepError, load_sweep
+from muoneq.suite.folders import suite_folder
+from muoneq.suite.report import load_study_data
+from muoneq.suite.runtime import ConfigError, compose, conf_dir
+from muoneq.suite.runtime.tasks import (
+    ENTRY_POINT_GROUP,
+    TaskSpec,
+    get_task,
+    register_task,
+    task_names,
+)
+from muoneq.suite.sweeps import SweepError, load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
+#: (folder, package): where each installed package's source lies in the repository
+SOURCE_ROOTS = ((ROOT, "muoneq"), (ROOT / "tasks", "muoneq_tasks"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 #: The suite extra's packages (and what they bring), blocked to stand for a library-only install.
 SUITE_MODULES = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "optuna",
@@ -64,10 +75,45 @@ def test_every_package_folder_is_installed():
     """Every folder of muoneq/ and tasks/ holding an ``__init__.py`` is a listed package; conf/
     and sweeps/ are package data."""
     config = PYPROJECT["tool"]["setuptools"]
-    found = {".".join(init.parent.relative_to(ROOT).parts)
-             for top in ("muoneq", "tasks") for init in (ROOT / top).rglob("__init__.py")}
+    found = {".".join(init.parent.relative_to(root).parts)
+             for root, top in SOURCE_ROOTS for init in (root / top).rglob("__init__.py")}
     assert found - set(config["packages"]) == set(), "add these to [tool.setuptools] packages"
-    assert set(config["package-dir"].values()) == {"conf", "sweeps"}
+    assert config["package-dir"] == {"muoneq_tasks": "tasks/muoneq_tasks",
+                                     "muoneq.suite.shipped.conf": "conf",
+                                     "muoneq.suite.shipped.sweeps": "sweeps"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an ``import`` statement of ``path`` names, at any depth (relative ones
+    resolved)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            names.add(".".join(filter(None, (base, node.module))))
+    return names
+
+
+def test_the_library_never_imports_the_suite():
+    """The import rule of the two layers: a module of muoneq/ outside muoneq/suite/ imports the
+    standard library, torch, numpy and the library only, and imports nothing by name at run time
+    (so that this check sees every import). ``muoneq/__main__.py`` is the ``python -m muoneq``
+    entry point of the suite's command: run, never imported by the library."""
+    library = [p for p in (ROOT / "muoneq").rglob("*.py")
+               if p.relative_to(ROOT / "muoneq").parts[0] != "suite" and p.name != "__main__.py"]
+    assert len(library) >= 20
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "muoneq"}
+    for path in library:
+        for name in imported_modules(path):
+            where = f"{path.relative_to(ROOT)} imports {name}"
+            assert name.partition(".")[0] in allowed, where + ": the library needs torch only"
+            assert not name.startswith("muoneq.suite"), where + ": the library never imports " \
+                                                                "the suite"
+        text = path.read_text()
+        assert "import_module(" not in text and "__import__(" not in text, path
 
 
 def test_the_library_needs_no_suite_package():
@@ -87,8 +133,8 @@ def test_the_library_needs_no_suite_package():
         moved = not torch.equal(before, model[0].weight)
         update = muoneq_update(torch.randn(6, 4), torch.zeros(6, 4), ns_dtype=torch.float32)
         metrics = [float(stable_rank(update)), sorted(error_decomposition(torch.randn(6, 4)))]
-        suite = sorted(m for m in sys.modules if m.split(".")[0] == "tasks" or m.startswith(
-            ("muoneq.runtime", "muoneq.sweeps", "muoneq.report", "muoneq.benchmarks")))
+        suite = sorted(m for m in sys.modules
+                       if m.split(".")[0] == "muoneq_tasks" or m.startswith("muoneq.suite"))
         print(json.dumps({"moved": moved, "metrics": metrics, "suite": suite}))
     """)
     done = python(code)
@@ -100,7 +146,7 @@ def test_the_library_needs_no_suite_package():
 
 def test_a_suite_command_without_the_suite_names_the_extra():
     code = BLOCKER + textwrap.dedent("""
-        from muoneq.cli import main
+        from muoneq.suite.cli import main
         assert main(["--help"]) == 0
         sys.exit(main(["train", "experiment=cifar10_resnet18", "--print-config"]))
     """)
@@ -115,7 +161,7 @@ def test_a_suite_command_without_the_suite_names_the_extra():
 def test_composing_a_config_imports_no_lightning():
     code = textwrap.dedent("""
         import sys
-        from muoneq.cli import main
+        from muoneq.suite.cli import main
         assert main(["train", "experiment=cifar10_resnet18", "--print-config"]) == 0
         assert main(["train", "experiment=llama130m_c4", "--print-config"]) == 0
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "torchvision")))
@@ -138,7 +184,7 @@ PLUGIN = '''
 """A workload of another distribution: a config dataclass and a builder."""
 from dataclasses import dataclass, field
 
-from muoneq.runtime import TaskSpec
+from muoneq.suite.runtime import TaskSpec
 
 
 @dataclass
@@ -181,7 +227,7 @@ def plugin(tmp_path, monkeypatch):
     (tmp_path / "toy.yaml").write_text("name: toy\nwidth: 5\n")
     monkeypatch.syspath_prepend(str(site))
     yield site
-    from muoneq.runtime.tasks import TASKS
+    from muoneq.suite.runtime.tasks import TASKS
 
     TASKS.pop("toy", None)
 
@@ -222,7 +268,7 @@ def test_register_task_adds_a_workload_of_the_running_program():
         with pytest.raises(ValueError, match="already registered"):
             register_task("cifar10", spec)  # the name of an entry point
     finally:
-        from muoneq.runtime.tasks import TASKS
+        from muoneq.suite.runtime.tasks import TASKS
 
         TASKS.pop("inline")
 
@@ -291,13 +337,13 @@ def test_the_wheel_holds_the_library_the_suite_and_its_files(wheel):
     assert requirement_names(metadata, None) == {"torch", "numpy"}
     assert {"lightning", "omegaconf", "optuna", "torchvision"} <= requirement_names(
         metadata, "suite")
-    code = {str(p.relative_to(ROOT)) for top in ("muoneq", "tasks")
-            for p in (ROOT / top).rglob("*.py")}
-    data = {f"muoneq/_suite/{p.relative_to(ROOT)}" for top in ("conf", "sweeps")
+    code = {str(p.relative_to(root)) for root, top in SOURCE_ROOTS
+            for p in (root / top).rglob("*.py")}
+    data = {f"muoneq/suite/shipped/{p.relative_to(ROOT)}" for top in ("conf", "sweeps")
             for p in (ROOT / top).rglob("*.yaml")}
     assert code | data <= names, sorted((code | data) - names)
-    assert f"[{ENTRY_POINT_GROUP}]\ncifar10 = tasks.vision:TASK\nlanguage = tasks.language:TASK" \
-           in entry_points
+    assert (f"[{ENTRY_POINT_GROUP}]\ncifar10 = muoneq_tasks.vision:TASK\n"
+            "language = muoneq_tasks.language:TASK") in entry_points
 
 
 @pytest.mark.slow
@@ -322,14 +368,16 @@ def test_the_installed_wheel_trains_and_sweeps_from_an_empty_folder(wheel, tmp_p
         return subprocess.run([str(bin_dir / "muoneq"), *argv], cwd=empty, capture_output=True,
                               text=True, env=env, timeout=300)
 
-    where = python("import muoneq, tasks; print(muoneq.__file__); print(tasks.__file__)",
+    where = python("import muoneq, muoneq_tasks; print(muoneq.__file__); "
+                   "print(muoneq_tasks.__file__)",
                    cwd=empty, env=env, executable=str(bin_dir / "python"))
-    assert where.stdout.split() == [f"{site}/muoneq/__init__.py", f"{site}/tasks/__init__.py"]
+    assert where.stdout.split() == [f"{site}/muoneq/__init__.py",
+                                    f"{site}/muoneq_tasks/__init__.py"]
     done = run("train", "experiment=cifar10_resnet18", "--print-config")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "  name: cifar10\n" in done.stdout and "  name: muoneq_nes\n" in done.stdout
     listing = run("train", "--help").stdout
-    assert f"config folder: {site}/muoneq/_suite/conf" in listing
+    assert f"config folder: {site}/muoneq/suite/shipped/conf" in listing
     assert re.search(r"experiment +cifar10_resnet18, gpt2_small_fineweb", listing)
     sweep = run("sweep", "ablation-cifar10", "--dry-run", "--set", "seeds=[0]")
     assert sweep.returncode == 0, sweep.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A seed fixes the initial weights and the data order whatever the optimizer, in every task:
-the seed pairs of the report's paired differences (muoneq.report.paired) differ only in the
+the seed pairs of the report's paired differences (muoneq.suite.report.paired) differ only in the
 optimizer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from muoneq.runtime import compose, conf_dir, train
+from muoneq.suite.runtime import compose, conf_dir, train
 from tests.helpers.runtime import TINY_RUNS
 
 pytestmark = pytest.mark.usefixtures("one_thread")

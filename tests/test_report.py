@@ -9,9 +9,9 @@ import pytest
 from matplotlib.image import imread
 from optuna.trial import TrialState
 
-from muoneq.report import load_study_data, write_report
-from muoneq.report.cli import main as report_main
-from muoneq.report.figures import (
+from muoneq.suite.report import load_study_data, write_report
+from muoneq.suite.report.cli import main as report_main
+from muoneq.suite.report.figures import (
     Palette,
     heatmaps,
     learning_curves,
@@ -19,15 +19,21 @@ from muoneq.report.figures import (
     number_format,
     robustness_markdown,
 )
-from muoneq.report.tables import build_table, to_latex, to_markdown
-from muoneq.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec, MetricColumn, TableSpec
+from muoneq.suite.report.tables import build_table, to_latex, to_markdown
+from muoneq.suite.sweeps.report_spec import (
+    CurveSpec,
+    HeatmapSpec,
+    LineSpec,
+    MetricColumn,
+    TableSpec,
+)
 from tests.helpers.report import add_trial, stored_study
 
 NAN = float("nan")
 
 
 def runs_of(rows: list[tuple[dict, list[float]]], metric: str, **extra) -> list[dict]:
-    """One record per seed, as muoneq.report.records builds them."""
+    """One record per seed, as muoneq.suite.report.records builds them."""
     out = []
     for point, values in rows:
         for seed, v in enumerate(values):

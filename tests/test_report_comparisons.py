@@ -13,16 +13,16 @@ import yaml
 from matplotlib.image import imread
 from torch.utils.tensorboard import SummaryWriter
 
-from muoneq.demo import demo_sweep
-from muoneq.report import paired
-from muoneq.report.cli import main as report_main
-from muoneq.report.paired import Interval, comparisons
-from muoneq.report.speedup import crossing
-from muoneq.report.tables import build_table
-from muoneq.runtime import compose
-from muoneq.sweeps.report_spec import MetricColumn, TableSpec
-from muoneq.sweeps.spec import SweepError, load_sweep, spec_from_dict, spec_to_dict
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.demo import demo_sweep
+from muoneq.suite.report import paired
+from muoneq.suite.report.cli import main as report_main
+from muoneq.suite.report.paired import Interval, comparisons
+from muoneq.suite.report.speedup import crossing
+from muoneq.suite.report.tables import build_table
+from muoneq.suite.runtime import compose
+from muoneq.suite.sweeps.report_spec import MetricColumn, TableSpec
+from muoneq.suite.sweeps.spec import SweepError, load_sweep, spec_from_dict, spec_to_dict
+from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.report import add_trial
 
 SWEEPS = Path(__file__).parents[1] / "sweeps"
@@ -46,7 +46,7 @@ def test_interval_matches_a_hand_computation():
 
 
 def records(rows: list[tuple[dict, dict[int, float]]], metric: str, **extra) -> list[dict]:
-    """One record per seed, as muoneq.report.records builds them (seeds given explicitly)."""
+    """One record per seed, as muoneq.suite.report.records builds them (seeds given explicitly)."""
     out = []
     for point, by_seed in rows:
         for seed, value in by_seed.items():
@@ -264,7 +264,7 @@ def test_paper_studies_with_speedups_validate_often_enough():
 
 
 def test_the_demo_reports_paired_differences_and_speedups_over_three_seeds(tmp_path):
-    spec = spec_from_dict(demo_sweep(tmp_path), source="muoneq.demo")
+    spec = spec_from_dict(demo_sweep(tmp_path), source="muoneq demo")
     (table,) = spec.report.tables
     assert table.deltas and table.speedup.tag == "val/loss"
     assert len(spec.seeds) == 3 and len(spec.points()) * len(spec.seeds) == 45
@@ -273,7 +273,7 @@ def test_the_demo_reports_paired_differences_and_speedups_over_three_seeds(tmp_p
 
 def test_a_registered_optimizer_brings_its_label_and_counterpart(monkeypatch):
     from muoneq import registry
-    from muoneq.report.tables import setting_label
+    from muoneq.suite.report.tables import setting_label
 
     monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
     spec = registry.OPTIMIZERS["muoneq"]

@@ -12,10 +12,10 @@ import pytest
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
-from muoneq.runtime import ConfigError, build_trainer, compose
-from muoneq.runtime.accelerators import NPUAccelerator, peak_memory
-from muoneq.runtime.config import SUITE_TRAINER_KEYS, TrainerConfig
-from muoneq.runtime.trainer import FSDP2Strategy, build_strategy
+from muoneq.suite.runtime import ConfigError, build_trainer, compose
+from muoneq.suite.runtime.accelerators import NPUAccelerator, peak_memory
+from muoneq.suite.runtime.config import SUITE_TRAINER_KEYS, TrainerConfig
+from muoneq.suite.runtime.trainer import FSDP2Strategy, build_strategy
 
 BASE = ["task=cifar10", "trainer.max_steps=1"]
 
@@ -64,7 +64,7 @@ torch.utils.rename_privateuse1_backend("npu")
 torch.npu = types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: True,
                                   set_device=lambda d: None, empty_cache=lambda: None)
 sys.modules["torch_npu"] = types.ModuleType("torch_npu")
-from muoneq.runtime import ConfigError, build_trainer, compose
+from muoneq.suite.runtime import ConfigError, build_trainer, compose
 for trainer_file in ("npu", "fsdp2"):
     args = ["task=cifar10", "trainer.max_steps=1", f"trainer={trainer_file}",
             "trainer.accelerator=npu", "trainer.devices=2"]

@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from muoneq.registry import OPTIMIZERS
-from muoneq.runtime.config import ConfigError, compose, conf_dir
-from muoneq.runtime.optim import build_optimizer_from_config, optimizer_schema
-from muoneq.runtime.tasks import task_names as registered_tasks
+from muoneq.suite.runtime.config import ConfigError, compose, conf_dir
+from muoneq.suite.runtime.optim import build_optimizer_from_config, optimizer_schema
+from muoneq.suite.runtime.tasks import task_names as registered_tasks
 
 CONF = conf_dir()
 PAPER = ("experiment=cifar10_resnet18",)
@@ -151,7 +151,7 @@ def test_group_errors(tmp_path):
 
 def test_cli_reports_config_errors_as_one_line_and_debug_shows_the_traceback(capsys,
                                                                                monkeypatch):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     assert main(["train", *PAPER, "optimizer.lrr=1"]) == 2
     err = capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from muoneq.runtime import ResumableSampler
+from muoneq.suite.runtime import ResumableSampler
 
 
 @pytest.mark.parametrize(("size", "world"), [(12, 3), (10, 4), (7, 1)])

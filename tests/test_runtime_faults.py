@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from muoneq.cli import main
-from muoneq.errors import DiskFull
-from muoneq.runtime import ConfigError, compose, train
-from muoneq.runtime import checkpoints as ckpts
-from muoneq.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+from muoneq.suite.cli import main
+from muoneq.suite.errors import DiskFull
+from muoneq.suite.runtime import ConfigError, compose, train
+from muoneq.suite.runtime import checkpoints as ckpts
+from muoneq.suite.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
 from tests.helpers.runtime import Losses, StopAt, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -261,7 +261,7 @@ def test_divergence_stops_the_run_and_says_so(tmp_path, capsys, patience):
 def test_a_non_finite_validation_metric_stops_the_run():
     from types import SimpleNamespace
 
-    from muoneq.runtime.callbacks import Divergence, Stop
+    from muoneq.suite.runtime.callbacks import Divergence, Stop
 
     trainer = SimpleNamespace(
         sanity_checking=False, state=SimpleNamespace(fn="fit"), global_step=7,

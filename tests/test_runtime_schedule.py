@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from muoneq import MuonEq, param_groups
-from muoneq.runtime.schedule import build_scheduler, lr_factor
+from muoneq.suite.runtime.schedule import build_scheduler, lr_factor
 
 
 def test_cosine_with_warmup_hand_computed():
@@ -52,7 +52,7 @@ def test_scheduler_drives_both_paths_and_resolves_the_budget_lazily():
 
 
 def test_schedule_warnings_for_runs_they_do_not_fit():
-    from muoneq.runtime.schedule import schedule_warnings
+    from muoneq.suite.runtime.schedule import schedule_warnings
 
     def warn(**kw):
         args = dict(name="cosine", interval="step", warmup_steps=10, total_steps=None,

@@ -18,11 +18,11 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from muoneq.runtime import ConfigError, RunFolderError, compose, conf_dir, train
-from muoneq.runtime.metrics import metric_keys
-from muoneq.runtime.run import find_resume_checkpoint
-from tasks.vision.cifar10_data import load_cifar10, normalize
-from tasks.vision.resnet import CifarResNet
+from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
+from muoneq.suite.runtime.metrics import metric_keys
+from muoneq.suite.runtime.run import find_resume_checkpoint
+from muoneq_tasks.vision.cifar10_data import load_cifar10, normalize
+from muoneq_tasks.vision.resnet import CifarResNet
 from tests.helpers.runtime import TINY_RUNS, Losses, StopAt, tiny
 
 EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
@@ -72,7 +72,8 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
     assert metrics["global_step"] == 1 and metrics["status"] == "finished"
     assert metrics == json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert np.isfinite(metrics[metrics["paper_metric"]])  # test/acc, val/ppl
-    # what a sweep checks its objective against before it runs anything (muoneq.runtime.metrics):
+    # what a sweep checks its objective against before it runs anything
+    # (muoneq.suite.runtime.metrics):
     # every key written is declared; declared and absent only MFU, where no device peak is known
     declared = set(metric_keys(cfg))
     assert set(metrics) <= declared and declared - set(metrics) <= {"perf/mfu"}
@@ -265,7 +266,7 @@ def folder_state(run: Path) -> dict[str, bytes]:
 
 
 def test_resume_continues_only_the_same_run_and_touches_nothing_else(tmp_path, capsys):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     args = tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={tmp_path / 'run'}",
                 "trainer.checkpoint_every_n_steps=3")
@@ -311,7 +312,7 @@ def test_resume_continues_only_the_same_run_and_touches_nothing_else(tmp_path, c
 
 
 def test_resume_checks_the_number_of_processes():
-    from muoneq.runtime import record
+    from muoneq.suite.runtime import record
 
     cfg = compose(["experiment=cifar10_resnet18"])
     saved = {**record.resolved(cfg), "provenance": {"world_size": 2}}
@@ -323,7 +324,7 @@ def test_resume_checks_the_number_of_processes():
 def test_a_key_newer_than_the_run_is_the_same_setting_at_its_default():
     """Run folders made before a key existed (optimizer.split_fused, task.model.hf_*) still
     resume: the key was added with the default that keeps the old behaviour."""
-    from muoneq.runtime import record
+    from muoneq.suite.runtime import record
 
     cfg = compose(["experiment=gpt2_small_fineweb"])
     old = record.resolved(cfg)
@@ -387,7 +388,7 @@ def test_two_process_ddp_on_cpu(tmp_path):
 
 
 def test_missing_data_is_one_line_with_where_to_put_it(tmp_path, capsys):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     args = ["train", "experiment=cifar10_resnet18", f"task.data.root={tmp_path / 'none'}",
             "task.data.download=false", "trainer=cpu", f"run.dir={tmp_path / 'run'}"]

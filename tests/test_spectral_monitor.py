@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from muoneq import MuonEq, param_groups
-from muoneq.diagnostics import SpectralMonitor, stable_rank
+from muoneq.diagnostics import stable_rank
+from muoneq.suite.spectra import SpectralMonitor
 
 
 class RecordingMuonEq(MuonEq):
@@ -213,7 +214,7 @@ def test_transposed_banked_and_fused_weights_are_measured_as_the_optimizer_sees_
     """Block by block, each row's metrics are those of the very matrix the optimizer fed to
     DiagPre at that step (recorded inside the optimizer), in its (out, in) orientation."""
     from muoneq.diagnostics import error_decomposition
-    from muoneq.diagnostics.callback import METRICS
+    from muoneq.suite.spectra.monitor import METRICS
 
     monitor = SpectralMonitor(modules=["attn.c_attn", "mlp.c_fc", "experts"], steps=[1, 3],
                               modes=("none", "R", "C"), log_figures=False)
@@ -303,7 +304,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from muoneq import MuonEq, param_groups
-from muoneq.diagnostics import SpectralMonitor
+from muoneq.suite.spectra import SpectralMonitor
 
 def data():
     g = torch.Generator().manual_seed(0)

@@ -26,8 +26,8 @@ import yaml
 from optuna.trial import TrialState
 
 import muoneq
-from muoneq.sweeps import Driver, SweepError, load_sweep
-from muoneq.sweeps.validate import check_trials
+from muoneq.suite.sweeps import Driver, SweepError, load_sweep
+from muoneq.suite.sweeps.validate import check_trials
 from tests.helpers.sweeps import REPO, load, options, write_sweep
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function
@@ -319,7 +319,7 @@ def test_two_drivers_share_a_study_on_postgresql(tmp_path, postgres_url):
 
 
 def test_dry_run_lists_runs_and_the_first_command(capsys):
-    from muoneq.sweeps.cli import main
+    from muoneq.suite.sweeps.cli import main
 
     assert main([str(REPO / "sweeps" / "ablation-cifar10.yaml"), "--dry-run",
                  "--set", "seeds=[0]", "--override", "trainer.max_epochs=1"]) == 0
@@ -335,7 +335,7 @@ def test_dry_run_lists_runs_and_the_first_command(capsys):
 def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path, capsys):
     """A misspelled override or a bad grid value fails --dry-run and the real sweep alike,
     naming the point, before the study exists (so it is not locked to the mistake)."""
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     sweep = REPO / "sweeps" / "ablation-cifar10.yaml"
     runs = tmp_path / "runs"
@@ -379,7 +379,7 @@ def test_a_study_refuses_changed_fixed_settings(tmp_path):
 
 
 def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
-    from muoneq.sweeps.launch import trial_command
+    from muoneq.suite.sweeps.launch import trial_command
 
     torchrun = ("torchrun --standalone --nproc_per_node={nproc} -m muoneq train "
                 "experiment={experiment} {overrides} seed={seed} run.dir={run_dir} resume=auto")
@@ -414,7 +414,7 @@ def test_workers_get_their_own_devices_and_launchers_are_templates(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_finished_after_its_driver_died_is_told_not_rerun(tmp_path):
-    from muoneq.sweeps.launch import trial_command
+    from muoneq.suite.sweeps.launch import trial_command
 
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
         {"optimizer": ["muoneq_nes"], "optimizer.lr": [0.02]}]))

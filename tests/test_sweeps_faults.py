@@ -15,11 +15,11 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from muoneq.errors import DiskFull
-from muoneq.sweeps import Driver, SweepError, launch, load_sweep
-from muoneq.sweeps.storage import JournalError, open_storage
-from muoneq.sweeps.trial_record import TrialRecord
-from muoneq.sweeps.verdict import judge
+from muoneq.suite.errors import DiskFull
+from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep
+from muoneq.suite.sweeps.storage import JournalError, open_storage
+from muoneq.suite.sweeps.trial_record import TrialRecord
+from muoneq.suite.sweeps.verdict import judge
 from tests.helpers.sweeps import options, write_sweep
 
 
@@ -94,7 +94,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 def test_a_malformed_sweep_file_is_one_line(tmp_path, capsys):
-    from muoneq.cli import main
+    from muoneq.suite.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("study: x\ngrid:\n  - optimizer: [muon\n    lr: 1\n")

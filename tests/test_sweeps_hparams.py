@@ -1,4 +1,4 @@
-"""TensorBoard's HParams view of a study (muoneq.sweeps.hparams), read back with TensorBoard's
+"""TensorBoard's HParams view of a study (muoneq.suite.sweeps.hparams), read back with TensorBoard's
 own readers (EventAccumulator and the hparams plugin's metadata parsers): one experiment config
 for the study (the axes, optimizer and mode; the objective and the report's metrics by their
 names), one session per run grouped by its point, with its metrics.json values."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tensorboard.plugins.hparams import metadata
 
-from muoneq.sweeps import Driver, load_sweep
-from muoneq.sweeps.events import ScalarReader
+from muoneq.suite.sweeps import Driver, load_sweep
+from muoneq.suite.sweeps.events import ScalarReader
 from tests.helpers.sweeps import options, read, session, write_sweep
 
 

@@ -1,5 +1,5 @@
-"""Every trial carries its point as Optuna params (muoneq.sweeps.distributions), so Optuna's own
-tools read every study: grids grown by bracketing, coordinate descent and TPE; the report adds
+"""Every trial carries its point as Optuna params (muoneq.suite.sweeps.distributions), so Optuna's
+own tools read every study: grids grown by bracketing, coordinate descent and TPE; the report adds
 Optuna's importances, contour and slice plots, also for a study made before trials had params.
 """
 
@@ -14,11 +14,11 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from muoneq.report import load_study_data, write_report
-from muoneq.sweeps import Driver, load_sweep
-from muoneq.sweeps.distributions import merge, spec_distributions
-from muoneq.sweeps.spec import spec_from_dict
-from muoneq.sweeps.trial_record import TrialRecord
+from muoneq.suite.report import load_study_data, write_report
+from muoneq.suite.sweeps import Driver, load_sweep
+from muoneq.suite.sweeps.distributions import merge, spec_distributions
+from muoneq.suite.sweeps.spec import spec_from_dict
+from muoneq.suite.sweeps.trial_record import TrialRecord
 from tests.helpers.report import add_trial, stored_study
 from tests.helpers.sweeps import load, options, write_sweep
 

@@ -1,4 +1,4 @@
-"""Grids that bracket their optimum and coordinate descent (muoneq.sweeps.plan).
+"""Grids that bracket their optimum and coordinate descent (muoneq.suite.sweeps.plan).
 
 The plan is a pure function of the results: the first tests drive it with a known objective in
 this process (each round "runs" every point the plan holds and plans again); the others run the
@@ -24,12 +24,12 @@ import optuna
 import pytest
 import yaml
 
-from muoneq.cli import main as cli
-from muoneq.report import load_study_data, write_report
-from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
-from muoneq.sweeps.plan import make_plan, spacing, step
-from muoneq.sweeps.spec import spec_from_dict
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.cli import main as cli
+from muoneq.suite.report import load_study_data, write_report
+from muoneq.suite.sweeps import Driver, DriverOptions, SweepError, load_sweep
+from muoneq.suite.sweeps.plan import make_plan, spacing, step
+from muoneq.suite.sweeps.spec import spec_from_dict
+from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.sweep_objective_program import objective
 from tests.helpers.sweeps import COMMAND
 

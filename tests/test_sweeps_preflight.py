@@ -1,4 +1,4 @@
-"""One preflight for a sweep (muoneq.sweeps.validate.preflight), run by ``--dry-run`` and by
+"""One preflight for a sweep (muoneq.suite.sweeps.validate.preflight), run by ``--dry-run`` and by
 every start alike: a misspelled objective or report metric stops it before any run, with the
 closest key and the keys the task writes; a changed objective is refused by ``--dry-run`` as by
 the real run; ``--status`` and ``--dry-run`` create nothing; an unknown sweep key is one line
@@ -13,12 +13,12 @@ import optuna
 import pytest
 import yaml
 
-from muoneq.cli import main
-from muoneq.runtime import compose
-from muoneq.runtime.metrics import metric_keys
-from muoneq.sweeps import Driver, load_sweep
-from muoneq.sweeps.spec import spec_to_dict
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.cli import main
+from muoneq.suite.runtime import compose
+from muoneq.suite.runtime.metrics import metric_keys
+from muoneq.suite.sweeps import Driver, load_sweep
+from muoneq.suite.sweeps.spec import spec_to_dict
+from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.commands import make, one_line_error
 from tests.helpers.report import add_trial
 from tests.helpers.sweeps import REPO, load, options, write_sweep

@@ -11,13 +11,13 @@ import pytest
 import yaml
 from tensorboard.plugins.hparams import metadata
 
-from muoneq.report import load_study_data, write_report
-from muoneq.runtime import conf_dir
-from muoneq.sweeps import Driver, DriverOptions, SweepError, load_sweep
+from muoneq.suite.report import load_study_data, write_report
+from muoneq.suite.runtime import conf_dir
+from muoneq.suite.sweeps import Driver, DriverOptions, SweepError, load_sweep
 from tests.helpers.runtime import tiny_cifar10
 from tests.helpers.sweeps import read, session
 
-pytest.importorskip("muoneq.runtime.run")
+pytest.importorskip("muoneq.suite.runtime.run")
 
 
 @pytest.mark.slow
@@ -78,10 +78,10 @@ def test_grid_of_real_training_runs(tmp_path, monkeypatch):
 
 def test_the_demo_names_its_own_way_out_of_a_study_made_otherwise(tmp_path, capsys):
     """`muoneq demo` has no --set: its refusal says what the demo accepts."""
-    from muoneq.cli import main
-    from muoneq.demo import demo_sweep
-    from muoneq.sweeps.spec import spec_from_dict
-    from muoneq.sweeps.study import open_study
+    from muoneq.suite.cli import main
+    from muoneq.suite.demo import demo_sweep
+    from muoneq.suite.sweeps.spec import spec_from_dict
+    from muoneq.suite.sweeps.study import open_study
 
     study_dir = tmp_path / "runs" / "demo"
     older = demo_sweep(study_dir / "data")

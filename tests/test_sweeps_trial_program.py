@@ -112,7 +112,7 @@ def test_trial_program_trains_and_honours_the_contract(tmp_path):
     assert main(["optimizer=muoneq_nes", "optimizer.lr=0.02", "optimizer.momentum=0.9",
                  "seed=0", f"run.dir={run_dir}"]) == 0  # in-process: the sweep tests spawn it
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    from muoneq.sweeps.events import ScalarReader
+    from muoneq.suite.sweeps.events import ScalarReader
 
     curve = ScalarReader(run_dir).scalars("val_loss")
     assert sorted(curve) == list(range(1, 41))

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from muoneq.cli import main as cli
+from muoneq.suite.cli import main as cli
 
 FORMATS = ("jsonl", "json.gz", "parquet", "txt")
 

@@ -8,9 +8,9 @@ import optuna
 import yaml
 from optuna.trial import TrialState, create_trial
 
-from muoneq.sweeps import SweepSpec, load_sweep
-from muoneq.sweeps.spec import spec_to_dict
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.sweeps import SweepSpec, load_sweep
+from muoneq.suite.sweeps.spec import spec_to_dict
+from muoneq.suite.sweeps.storage import open_storage
 
 
 def stored_study(tmp_path: Path, sweep: dict) -> tuple[Path, SweepSpec, optuna.Study]:

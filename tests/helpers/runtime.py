@@ -100,7 +100,7 @@ class StopAt(L.Callback):
 
 def tiny_language(tmp_path: Path) -> list[str]:
     """Token shards of a small grammar corpus, tokenized with a tiny byte-level BPE."""
-    from muoneq.cli import main as cli
+    from muoneq.suite.cli import main as cli
     from tests.helpers.language import make_documents, tiny_tiktoken_file, write_corpus
 
     corpus = write_corpus(tmp_path, "txt", make_documents(200))

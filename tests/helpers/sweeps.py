@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import (
 )
 from tensorboard.plugins.hparams import metadata
 
-from muoneq.sweeps import DriverOptions
-from muoneq.sweeps.storage import open_storage
+from muoneq.suite.sweeps import DriverOptions
+from muoneq.suite.sweeps.storage import open_storage
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function (they start
 #: in a blink): this program, run by path

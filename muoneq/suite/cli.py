@@ -1,0 +1,98 @@
+"""The ``muoneq`` command (also ``python -m muoneq``): one sub-command per job.
+
+Sub-commands are imported lazily so that ``muoneq --help`` stays fast and a missing optional
+dependency of one job never breaks another. Each entry names a ``main(argv) -> int``.
+
+The commands are the experiment suite's: without its packages (``pip install "muoneq[suite]"``)
+a command says so in one line, naming the missing module.
+
+Expected mistakes (:class:`muoneq.suite.errors.UserError`) are printed as one line,
+``muoneq: <what>; <how to fix>``, with exit status 2; ``--debug`` (anywhere on the command line)
+or ``MUONEQ_DEBUG=1`` shows their traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from muoneq.suite.errors import UserError, format_error
+
+#: What installs every command's dependencies (the library alone needs torch and numpy).
+SUITE_INSTALL = 'pip install "muoneq[suite]"'
+#: A missing module of these packages is a broken installation, not a missing extra.
+OWN_PACKAGES = ("muoneq", "muoneq_tasks")
+
+#: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "muoneq.suite.benchmarks.bench_step",
+        "time one optimizer step vs torch.optim.Muon on GPT-2/LLaMA/ResNet matrix sets",
+    ),
+    "demo": (
+        "muoneq.suite.demo",
+        "the main job: a miniature of the paper's ablation, offline on a CPU (make demo)",
+    ),
+    "gpu-check": (
+        "muoneq.suite.benchmarks.gpu_check",
+        "check every GPU path and record it in benchmarks/results/<device>.json",
+    ),
+    "data": (
+        "muoneq_tasks.language.prepare",
+        "tokenize a corpus (FineWeb, C4, local files) into token shards",
+    ),
+    "spectra": (
+        "muoneq.suite.spectra.cli",
+        "Newton–Schulz geometry study on synthetic matrices (paper Figure 1)",
+    ),
+    "sweep": (
+        "muoneq.suite.sweeps.cli",
+        "run or continue an Optuna study of trial processes (sweeps/*.yaml)",
+    ),
+    "report": (
+        "muoneq.suite.report.cli",
+        "tables, heatmaps and plots of a study (runs/<study> or a sweep file)",
+    ),
+    "train": (
+        "muoneq.suite.runtime.cli",
+        "train one run: muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes seed=1",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("MUONEQ_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: muoneq [--debug] <command> [args...]\n\ncommands:")
+        for name, (_, text) in sorted(COMMANDS.items()):
+            print(f"  {name:<10} {text}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(
+            f"muoneq: unknown command {name!r}; known: {', '.join(sorted(COMMANDS))}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    except UserError as err:
+        if debug:
+            raise
+        # one write: the processes of a distributed run share the stream, and print() writes
+        # the newline apart, so that their lines could run together
+        sys.stderr.write(format_error(err) + "\n")
+        return err.exit_code
+    except ModuleNotFoundError as err:
+        if debug or err.name is None or err.name.partition(".")[0] in OWN_PACKAGES:
+            raise
+        print(f"muoneq: {name} needs the module {err.name!r}, which is not installed; install "
+              f"the experiment suite: {SUITE_INSTALL}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""File names from free text (:func:`slug`), and writing files so that a crash or a full disk
+leaves no half-written file: a temporary file in the destination folder renamed into place
+(:func:`atomic_open`, :func:`atomic_write`), and a full disk reported as one line naming the
+path (:func:`reporting_full_disk`, :class:`~muoneq.suite.errors.DiskFull`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from muoneq.suite.errors import DiskFull
+
+
+def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str = "") -> str:
+    """``text`` as one file name: each run of characters outside ``keep`` (the body of a regex
+    character class) becomes ``sep``, trimmed at both ends; ``empty`` when nothing is left."""
+    return re.sub(f"[^{keep}]+", sep, text).strip(sep) or empty
+
+
+#: ``errno`` values of a full disk or an exhausted quota.
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def reporting_full_disk(path: str | os.PathLike, then: str = "") -> Iterator[None]:
+    """Turn a full-disk ``OSError`` raised inside into :class:`DiskFull` naming ``path``, the
+    free space left there and what to do (``then``: how to continue afterwards)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in FULL_DISK or isinstance(err, DiskFull):
+            raise
+        raise full_disk(path, then) from None
+
+
+def full_disk(path: str | os.PathLike, then: str = "") -> DiskFull:
+    """The :class:`DiskFull` error for a write under ``path`` that found no space."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free / 2**30
+    return DiskFull(f"no space left on the disk holding {path} ({free:.2f} GiB free); free "
+                    f"space there (old runs, checkpoints) or write to a larger disk"
+                    f"{'; ' + then if then else ''}")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False,
+                then: str = "", **open_args) -> Iterator[IO]:
+    """A file to write ``path`` through: a temporary file beside it (``.<name>.<pid>.tmp``,
+    one per process, so processes writing the same file at once never mix), renamed over
+    ``path`` when the block ends without an error and deleted otherwise, so a kill or an error
+    leaves the old file or the new one, whole. ``fsync``: the data reach the disk before the
+    rename (a power cut too keeps one whole file). A full disk raises
+    :class:`~muoneq.suite.errors.DiskFull` naming ``path`` (``then``: see
+    :func:`reporting_full_disk`). ``open_args`` go to :func:`open`
+    (``newline=""`` for :mod:`csv`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with reporting_full_disk(path, then):
+        try:
+            with open(tmp, mode, **open_args) as f:
+                yield f
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`atomic_open`."""
+    with atomic_open(path) as f:
+        f.write(text)

@@ -1,0 +1,167 @@
+"""Write every artifact a study's ``report:`` section asks for into ``<study>/report/``."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muoneq.suite.report import optuna_views, paired, speedup
+from muoneq.suite.report import plan_tables as plan_report
+from muoneq.suite.report.figures import (
+    Palette,
+    heatmaps,
+    learning_curves,
+    line_plot,
+    robustness_markdown,
+)
+from muoneq.suite.report.records import StudyData
+from muoneq.suite.report.tables import Table, build_table, to_latex, to_markdown
+from muoneq.suite.sweeps.report_spec import HeatmapSpec, LineSpec, TableSpec
+from muoneq.suite.sweeps.spec import SweepError
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    markdown: str  #: everything as one Markdown document (also written to report.md)
+    tables: list[Table] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool = True) -> Report:
+    """Tables (Markdown + LaTeX) with their paired differences and speedups, heatmaps +
+    robustness, line plots and learning curves.
+
+    With ``tensorboard``, figures and tables also go to ``<out_dir>/tensorboard`` as images
+    and text, replacing those of an earlier report. Without a ``report:`` section, one table of
+    the objective at each setting's best learning rate (if there is an ``optimizer.lr`` axis)
+    is written.
+    """
+    if not data.runs:
+        raise SweepError(f"study {data.spec.study!r} has no finished run yet; wait for its "
+                         "first run to finish (muoneq sweep … --status counts them)")
+    out_dir = Path(out_dir or data.study_dir / "report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)  # this report replaces it
+        writer = SummaryWriter(str(out_dir / "tensorboard"))
+    rep = data.spec.report
+    tables = rep.tables or ([] if rep.heatmaps or rep.lines else [
+        TableSpec(name="table", select=[a for a in ("optimizer.lr",) if a in data.axes])])
+    report = Report(out_dir, "")
+    # the grid as written first (its order), then whatever bracketing or a search added
+    points = [p.as_dict() for p in data.spec.points()] + [{a: r.get(a) for a in data.axes}
+                                                          for r in data.runs]
+    palette = Palette(points)  # one colour per method in every figure
+    parts = [_header(data), _plan_section(data, report, writer)]
+    parts += [_table_section(data, tspec, points, palette, report, writer) for tspec in tables]
+    parts += [_heatmap_section(data, hspec, report, writer) for hspec in rep.heatmaps]
+    parts += [_line_section(data, lspec, palette, report, writer) for lspec in rep.lines]
+    if rep.curves is not None:
+        parts.append(_curve_section(data, palette, report, writer))
+    views = optuna_views.write_views(data, out_dir, writer)
+    if views is not None:
+        report.files += views.files
+        parts.append(optuna_views.to_markdown(views))
+    if writer is not None:
+        writer.close()
+    report.markdown = "".join(parts)
+    (out_dir / "report.md").write_text(report.markdown)
+    report.files.append(out_dir / "report.md")
+    return report
+
+
+def _header(data: StudyData) -> str:
+    """The study's name, description, number of runs and objective."""
+    spec = data.spec
+    parts = [f"# {spec.study}\n", f"{spec.description}\n" if spec.description else "",
+             f"{len(data.runs)} finished runs; objective {data.objective} "
+             f"({data.direction}).\n"]
+    if data.duplicates:
+        parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
+    return "".join(parts)
+
+
+def _plan_section(data: StudyData, report: Report, writer) -> str:
+    """What the study's plan ran (``plan.md``), when it has one."""
+    plan_md = plan_report.to_markdown(data.plan)
+    if plan_md:
+        (report.out_dir / "plan.md").write_text(plan_md.lstrip())
+        report.files.append(report.out_dir / "plan.md")
+        if writer is not None:
+            writer.add_text("plan", plan_md)
+    return plan_md
+
+
+def _table_section(data: StudyData, tspec: TableSpec, points: list[dict], palette: Palette,
+                   report: Report, writer) -> str:
+    """One table (Markdown, LaTeX) with its paired differences and speedups."""
+    out_dir = report.out_dir
+    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points)
+    found = paired.comparisons(table) if tspec.deltas else []
+    md = to_markdown(table) + paired.to_markdown(table, found)
+    figures = []
+    if found and tspec.speedup is not None:
+        speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,
+                                    tspec.name, writer, palette)
+        md += speedup.to_markdown(speedups, tspec.speedup)
+        figures = [s.path for s in speedups if s.path is not None]
+        report.files += [*figures, out_dir / f"speedup_{tspec.name}.csv"]
+    texts = {"md": md, "tex": to_latex(table)}
+    if found:
+        texts["paired.tex"] = paired.to_latex(table, found)
+    for suffix, text in texts.items():
+        path = out_dir / f"table_{tspec.name}.{suffix}"
+        path.write_text(text)
+        report.files.append(path)
+    if writer is not None:
+        writer.add_text(f"table/{tspec.name}", md)
+    report.tables.append(table)
+    return f"\n## Table: {tspec.name}\n\n{md}" + "".join(
+        f"\n![{path.stem}]({path.name})\n" for path in figures)
+
+
+def _heatmap_section(data: StudyData, hspec: HeatmapSpec, report: Report, writer) -> str:
+    """One heatmap's panels and the robustness summary (``robustness.md``, ``.png``)."""
+    out_dir = report.out_dir
+    metric = hspec.metric or data.objective
+    direction = data.direction if metric == data.objective else "minimize"
+    panels = heatmaps(data.runs, hspec, data.axes, metric, direction, out_dir, writer)
+    report.files += [p.path for p in panels]
+    if not panels:
+        return ""
+    md = robustness_markdown(panels, hspec, metric, direction)
+    (out_dir / "robustness.md").write_text(md)
+    report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
+    return (f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}"
+            + "".join(f"\n![{p.title}]({p.path.name})" for p in panels)
+            + "\n\n![robustness](robustness.png)\n")
+
+
+def _line_section(data: StudyData, lspec: LineSpec, palette: Palette, report: Report,
+                  writer) -> str:
+    """One line plot."""
+    _, path = line_plot(data.runs, lspec, data.axes, data.objective, data.direction,
+                        report.out_dir, writer, palette)
+    report.files.append(path)
+    return f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n"
+
+
+def _curve_section(data: StudyData, palette: Palette, report: Report, writer) -> str:
+    """The learning curves of every requested TensorBoard tag."""
+    spec = data.spec.report.curves
+    curves = learning_curves(data.runs, spec, data.axes, data.objective, data.direction,
+                             report.out_dir, writer, palette)
+    parts = []
+    for tag in spec.tags:
+        if tag not in curves:
+            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
+            continue
+        path = curves[tag].path
+        report.files.append(path)
+        parts.append(f"\n![{path.stem}]({path.name})\n")
+    return "".join(parts)

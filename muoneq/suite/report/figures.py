@@ -1,0 +1,426 @@
+"""Figures of a study: heatmaps and robustness, K / learning-rate sweeps, learning curves.
+
+Each figure is saved as a PNG (and its numbers as CSV) and, when a TensorBoard writer is
+given, logged as an image; its layout is constrained, so no label is cut off in either. Matplotlib's
+object API is used (no pyplot state, no display). Conventions shared by every figure of a
+report: one colour per method (optimizer and mode, :class:`Palette`), one number format per
+figure (:func:`number_format`), markers where a curve has few points, and every colour scale
+says which way is better.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import StrMethodFormatter
+
+from muoneq.suite.files import slug
+from muoneq.suite.report.tables import axis_name, best_of, better, cells, setting_label
+from muoneq.suite.sweeps.events import ScalarReader
+from muoneq.suite.sweeps.report_spec import CurveSpec, HeatmapSpec, LineSpec
+from muoneq.suite.sweeps.spec import format_value
+
+
+def figure_name(text: str) -> str:
+    """A figure's file name (no suffix) from its title or tag."""
+    return slug(text, empty="all")
+
+
+def _tick(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _sorted_values(values) -> list:
+    values = list(dict.fromkeys(values))
+    try:
+        return sorted(values)
+    except TypeError:
+        return values
+
+
+#: a curve with at most this many points is drawn with a marker at each
+FEW_POINTS = 30
+
+
+class Palette:
+    """One colour per method (optimizer and mode) across every figure of a report, in the
+    order the methods are first met (``points``: the report's points, in the sweep's order);
+    a figure's further series of one method (other K, other momentum) get other line styles."""
+
+    STYLES = ("-", "--", ":", "-.")
+
+    def __init__(self, points: Sequence[dict] = ()):
+        self.colours: dict[str, str] = {}
+        for values in points:
+            self.colour(values)
+
+    @staticmethod
+    def method(values: dict) -> str:
+        return setting_label({k: values.get(k) for k in ("optimizer", "optimizer.mode")
+                         if values.get(k) is not None})
+
+    def colour(self, values: dict) -> str:
+        method = self.method(values)
+        if method not in self.colours:
+            cycle = colormaps["tab10" if len(self.colours) < 10 else "tab20"].colors
+            self.colours[method] = to_hex(cycle[len(self.colours) % len(cycle)])
+        return self.colours[method]
+
+    def styles(self) -> Callable[[dict], dict]:
+        """For one figure: ``style(values)`` → ``color`` and ``linestyle`` of a series."""
+        seen: dict[str, int] = {}
+
+        def style(values: dict) -> dict:
+            method = self.method(values)
+            seen[method] = seen.get(method, -1) + 1
+            return {"color": self.colour(values),
+                    "linestyle": self.STYLES[seen[method] % len(self.STYLES)]}
+
+        return style
+
+
+def number_format(values: Iterable[float]) -> str:
+    """One format spec for all ``values`` of a figure: fixed decimals, enough for three
+    significant digits of the smallest magnitude (``9.87``, ``10.40``; ``0.0123``)."""
+    finite = [abs(v) for v in values if math.isfinite(v) and v != 0]
+    if not finite:
+        return ".2f"
+    return f".{min(6, max(0, 2 - math.floor(math.log10(min(finite)))))}f"
+
+
+def better_note(direction: str) -> str:
+    return "lower is better" if direction == "minimize" else "higher is better"
+
+
+def _save(fig: Figure, path: Path, writer, tag: str) -> Path:
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    if writer is not None:
+        writer.add_figure(tag, fig, close=False)
+    return path
+
+
+# ----------------------------------------------------------------------------------- heatmaps
+def _best(values, direction: str) -> float:
+    return min(values) if direction == "minimize" else max(values)
+
+
+def within(grid: np.ndarray, reference: float, pct: float, direction: str) -> float:
+    """Fraction of ``grid`` within ``pct`` % of ``reference`` (missing/diverged cells: outside)."""
+    tol = pct / 100 * abs(reference)
+    with np.errstate(invalid="ignore"):
+        ok = grid <= reference + tol if direction == "minimize" else grid >= reference - tol
+    return float((ok & np.isfinite(grid)).sum()) / grid.size
+
+
+@dataclass
+class HeatmapPanel:
+    title: str
+    values: dict[str, Any]  #: the panel's axes (optimizer, K, …)
+    x: list[Any]
+    y: list[Any]
+    grid: np.ndarray  #: mean over seeds, shape (len(y), len(x)); NaN where missing/diverged
+    path: Path
+    figure: Figure
+    best: float  #: this panel's best cell (NaN when none finished)
+    robustness: float  #: fraction of cells within x% of the best cell of all panels
+    robustness_own: float  #: fraction of cells within x% of this panel's own best cell
+
+
+def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: str,
+             direction: str, out_dir: Path, writer=None) -> list[HeatmapPanel]:
+    """One annotated heatmap of ``metric`` over ``x × y`` per value of the other axes, on one
+    shared color scale, plus two robustness numbers per panel (the paper's "broader
+    low-perplexity region" as numbers): the fraction of its grid within ``robustness_pct`` % of
+    the best cell of all panels, and within that much of its own best cell (missing or diverged
+    cells count as outside). A row run at fewer than two values of ``x`` or of ``y`` (AdamW has
+    no momentum; a mode run at one momentum) is no heatmap and gets no panel."""
+    panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
+    stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
+             if c.values[spec.x] is not None and c.values[spec.y] is not None}
+    spans: dict[tuple, tuple[set, set]] = {}
+    for key, c in stats.items():
+        seen = spans.setdefault(key[:len(panel_axes)], (set(), set()))
+        seen[0].add(c.values[spec.x])
+        seen[1].add(c.values[spec.y])
+    stats = {k: c for k, c in stats.items()
+             if min(map(len, spans[k[:len(panel_axes)]])) >= 2}
+    xs = _sorted_values(c.values[spec.x] for c in stats.values())
+    ys = _sorted_values(c.values[spec.y] for c in stats.values())
+    panels: dict[tuple, np.ndarray] = {}
+    for key, c in stats.items():
+        grid = panels.setdefault(key[:len(panel_axes)], np.full((len(ys), len(xs)), np.nan))
+        grid[ys.index(c.values[spec.y]), xs.index(c.values[spec.x])] = (
+            np.nan if c.mean is None else c.mean)
+    finite = [v for g in panels.values() for v in g[np.isfinite(g)]]
+    if not finite:
+        return []
+    vmin, vmax = min(finite), max(finite)
+    best = _best(finite, direction)
+    fmt = number_format(finite)  # one format for every cell of every panel
+    out = []
+    for key, grid in panels.items():
+        values = dict(zip(panel_axes, key, strict=True))
+        title = setting_label(values)
+        fig = Figure(figsize=(1.1 * len(xs) + 2.6, 0.8 * len(ys) + 1.8), layout="constrained")
+        ax = fig.add_subplot()
+        # one colour map for both directions (dark: low values): its meaning never flips; the
+        # colour bar and the title say which way is better, the best cell is framed
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=vmin, vmax=vmax,
+                          origin="lower", aspect="auto")
+        ax.set_xticks(range(len(xs)), [_tick(v) for v in xs])
+        ax.set_yticks(range(len(ys)), [_tick(v) for v in ys])
+        ax.set_xlabel(axis_name(spec.x))
+        ax.set_ylabel(axis_name(spec.y))
+        ax.set_title(f"{title}\n{metric}, {better_note(direction)}; framed: best cell", fontsize=10)
+        own = grid[np.isfinite(grid)]
+        own_best = _best(own, direction) if own.size else math.nan
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isfinite(v):
+                ax.text(j, i, "×", ha="center", va="center", fontsize=8, color="gray")
+                continue
+            dark = (v - vmin) / max(vmax - vmin, 1e-12) < 0.55  # viridis is dark at the bottom
+            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+            if v == own_best:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red",
+                                       linewidth=2))
+        bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
+        bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{fmt}}}"))
+        name = figure_name(title)
+        path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
+        _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
+        out.append(HeatmapPanel(
+            title, values, xs, ys, grid, path, fig, own_best,
+            robustness=within(grid, best, spec.robustness_pct, direction),
+            robustness_own=within(grid, own_best, spec.robustness_pct, direction)
+            if own.size else 0.0))
+    _robustness_figure(out, spec, metric, best, out_dir, writer)
+    return out
+
+
+def _write_grid_csv(path: Path, spec: HeatmapSpec, xs, ys, grid) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow([f"{axis_name(spec.y)} \\ {axis_name(spec.x)}", *map(_tick, xs)])
+        for y, row in zip(ys, grid, strict=True):
+            w.writerow([_tick(y), *("" if not np.isfinite(v) else repr(float(v)) for v in row)])
+
+
+def robustness_markdown(panels: Sequence[HeatmapPanel], spec: HeatmapSpec, metric: str,
+                        direction: str) -> str:
+    """The robustness table: each panel's share of cells within x % of the best cell of all
+    panels, and within x % of its own best cell."""
+    pct = f"{spec.robustness_pct:g}%"
+    best = _best([p.best for p in panels if math.isfinite(p.best)], direction)
+    lines = [f"| panel | best {metric} | cells within {pct} of the best of all panels "
+             f"({best:.4g}) | cells within {pct} of the panel's own best |",
+             "|:--|--:|--:|--:|"]
+    for p in panels:
+        n = p.grid.size
+        title = p.title.replace("|", "\\|")
+        lines.append(f"| {title} | {p.best:.4g} | {p.robustness:.0%} "
+                     f"({round(p.robustness * n)}/{n}) | {p.robustness_own:.0%} "
+                     f"({round(p.robustness_own * n)}/{n}) |")
+    return "\n".join(lines) + "\n"
+
+
+def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
+    fig = Figure(figsize=(1.4 * len(panels) + 3.0, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    positions = np.arange(len(panels))
+    pct = f"{spec.robustness_pct:g}%"
+    for shift, attr, color, label in (
+            # grays: the report's colours are its methods' (Palette), these bars are no method
+            (-0.2, "robustness", "0.35", f"within {pct} of the best of all panels "
+                                         f"({best:.4g})"),
+            (0.2, "robustness_own", "0.7", f"within {pct} of the panel's own best")):
+        shares = [getattr(p, attr) for p in panels]
+        bars = ax.bar(positions + shift, shares, 0.4, color=color, label=label)
+        ax.bar_label(bars, [f"{round(v * p.grid.size)}/{p.grid.size}"
+                            for v, p in zip(shares, panels, strict=True)], fontsize=7)
+    ax.set_xticks(positions, [p.title for p in panels], rotation=20, ha="right")
+    ax.set_ylim(0, 1.3)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.set_ylabel(f"fraction of {axis_name(spec.x)} × {axis_name(spec.y)} cells\n"
+                  "(higher is better)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"Robustness of {metric} over {axis_name(spec.x)} × {axis_name(spec.y)}")
+    _save(fig, out_dir / "robustness.png", writer, "robustness")
+
+
+# -------------------------------------------------------------------------- K / lr sweep lines
+@dataclass
+class LineSeries:
+    label: str
+    x: list[Any]
+    mean: dict[str, list[float]]  #: metric → mean per x (NaN where missing)
+    std: dict[str, list[float]]
+    values: dict[str, Any]  #: the series' axes
+    color: str = ""  #: its colour in the figure (its method's: :class:`Palette`)
+
+
+def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: str,
+              direction: str, out_dir: Path, writer=None,
+              palette: Palette | None = None) -> tuple[list[LineSeries], Path]:
+    """Metrics against ``spec.x`` (e.g. validation perplexity and step time against K, or
+    against the learning rate), one line per setting of the remaining axes; at each x the
+    ``select`` axes are set to their best value for the first metric."""
+    metrics = spec.metrics or [objective]
+    first_dir = direction if metrics[0] == objective else "minimize"
+    series_axes = [a for a in axes if a != spec.x and a not in spec.select]
+    by = [*series_axes, spec.x, *spec.select]
+    stats = {m: cells(runs, by, m) for m in metrics}
+    xs = _sorted_values(c.values[spec.x] for c in stats[metrics[0]].values())
+    groups: dict[tuple, dict[Any, list]] = {}
+    for key, c in stats[metrics[0]].items():
+        groups.setdefault(key[:len(series_axes)], {}).setdefault(c.values[spec.x], []).append(c)
+    series = []
+    for skey, by_x in groups.items():
+        mean = {m: [] for m in metrics}
+        std = {m: [] for m in metrics}
+        for x in xs:
+            chosen = best_of(by_x.get(x, []), first_dir)
+            for m in metrics:
+                c = stats[m].get(tuple(chosen.values[a] for a in by)) if chosen else None
+                mean[m].append(math.nan if c is None or c.mean is None else c.mean)
+                std[m].append(math.nan if c is None or c.std is None else c.std)
+        series.append(LineSeries(setting_label(dict(zip(series_axes, skey, strict=True))), xs,
+                                 mean, std, dict(zip(series_axes, skey, strict=True))))
+    fig = Figure(figsize=(4.4 * len(metrics), 3.6), layout="constrained")
+    numeric = all(isinstance(x, int | float) for x in xs)
+    n_seeds = sorted({c.n for c in stats[metrics[0]].values() if c.n})
+    seeds = f"{'/'.join(map(str, n_seeds))} seed{'s' if n_seeds != [1] else ''}"
+    palette = palette or Palette()
+    for i, m in enumerate(metrics):
+        ax = fig.add_subplot(1, len(metrics), i + 1)
+        style = palette.styles()
+        for s in series:
+            pos = xs if numeric else list(range(len(xs)))
+            mu, sd = np.array(s.mean[m]), np.nan_to_num(np.array(s.std[m]))
+            line, = ax.plot(pos, mu, marker="o", label=s.label, **style(s.values))
+            s.color = line.get_color()
+            ax.fill_between(pos, mu - sd, mu + sd, color=line.get_color(), alpha=0.2,
+                            linewidth=0)
+        if spec.logx and numeric:
+            ax.set_xscale("log")
+        ax.set_xticks(xs if numeric else range(len(xs)), [_tick(x) for x in xs])
+        ax.minorticks_off()
+        ax.set_xlabel(axis_name(spec.x))
+        ax.set_ylabel(f"{m} ({better_note(direction if m == objective else 'minimize')})")
+        ax.set_title(f"{m}: mean ± std over {seeds}" if max(n_seeds, default=1) > 1
+                     else f"{m} ({seeds})", fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=8)
+    path = _save(fig, out_dir / f"{spec.name}.png", writer, f"lines/{spec.name}")
+    with (out_dir / f"{spec.name}.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["series", axis_name(spec.x), *(f"{m}_{k}" for m in metrics
+                                                   for k in ("mean", "std"))])
+        for s in series:
+            for j, x in enumerate(xs):
+                w.writerow([s.label, _tick(x), *(v for m in metrics
+                                                  for v in (s.mean[m][j], s.std[m][j]))])
+    return series, path
+
+
+# ------------------------------------------------------------------------------ learning curves
+@dataclass
+class Curve:
+    """One row's curve of a tag: the mean over seeds and the min–max band, by global step."""
+
+    steps: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+    seeds: int
+
+
+def mean_curve(curves: Sequence[dict[int, float]]) -> Curve:
+    """The mean and the min–max band of several seeds' ``{global step: value}`` curves, at the
+    steps every seed logged."""
+    steps = sorted(set.intersection(*(set(cv) for cv in curves)))
+    at = [[cv[s] for cv in curves] for s in steps]
+    return Curve(steps, [statistics.fmean(v) for v in at], [min(v) for v in at],
+                 [max(v) for v in at], len(curves))
+
+
+@dataclass
+class CurvePlot:
+    path: Path
+    figure: Figure
+    curves: dict[str, Curve]  #: row label → its curve
+
+
+def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], objective: str,
+                    direction: str, out_dir: Path, writer=None,
+                    palette: Palette | None = None) -> dict[str, CurvePlot]:
+    """Each row (the axes other than ``select``) at its best setting: each TensorBoard tag
+    against the global step, read from the trials' event files, as the mean over seeds with the
+    min–max band (at the steps every seed logged). Labels and the title say how many seeds.
+    Returns ``{tag: CurvePlot}`` for the tags some run logged."""
+    rows = [a for a in axes if a not in spec.select]
+    stats = cells(runs, [*rows, *spec.select], objective)
+    chosen: dict[tuple, Any] = {}
+    for key, c in stats.items():
+        current = chosen.get(key[:len(rows)])
+        if c.mean is not None and (current is None or better(c.mean, current.mean, direction)):
+            chosen[key[:len(rows)]] = c
+    palette = palette or Palette()
+    out = {}
+    for tag in spec.tags:
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+        ax = fig.add_subplot()
+        plotted: dict[str, Curve] = {}
+        style = palette.styles()
+        for key, c in chosen.items():
+            curves = [ScalarReader(d).scalars(tag) for d in c.run_dirs]
+            curves = [cv for cv in curves if cv]
+            if not curves:
+                continue
+            curve = mean_curve(curves)
+            steps = curve.steps
+            sel = ", ".join(f"{axis_name(a)}={format_value(c.values[a])}" for a in spec.select
+                            if c.values[a] is not None)
+            label = setting_label(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
+            few = len(steps) <= FEW_POINTS  # a marker at each point; one point is no line
+            line, = ax.plot(steps, curve.mean, marker="o" if few else None,
+                            markersize=6 if len(steps) == 1 else 3,
+                            label=f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
+                            + (f", one point (step {steps[0]})" if len(steps) == 1 else ""),
+                            **style(c.values))
+            if curve.seeds > 1:
+                ax.fill_between(steps, curve.low, curve.high, color=line.get_color(), alpha=0.2,
+                                linewidth=0)
+            plotted[label] = curve
+        if not plotted:
+            continue
+        seeds = sorted({cv.seeds for cv in plotted.values()})
+        ax.set_title(f"{tag}: mean over {'/'.join(map(str, seeds))} seed"
+                     f"{'s' if seeds != [1] else ''}"
+                     + (", band: min–max" if max(seeds) > 1 else ""), fontsize=10)
+        ax.set_xlabel("global step (optimizer steps)")
+        values = [v for cv in plotted.values() for v in (*cv.low, *cv.high)]
+        if all(len(cv.steps) == 1 for cv in plotted.values()):
+            ax.text(0.5, 0.04, f"each run logged {tag} once: no curve, one point per row",
+                    transform=ax.transAxes, ha="center", va="bottom", fontsize=9,
+                    color="dimgray")
+        if min(values) > 0 and max(values) > 10 * min(values):  # e.g. a perplexity from 200
+            ax.set_yscale("log")  # to 6: on a linear axis the close curves would be one line
+        ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        name = figure_name(tag)
+        path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")
+        out[tag] = CurvePlot(path, fig, plotted)
+    return out

@@ -1,0 +1,307 @@
+"""Callbacks of every run: step time and peak memory (:class:`StepStats`), the lr of every
+optimizer step (:class:`StepLearningRate`), plain log lines for logs that are not a terminal
+(:class:`LogLines`), and the two ways a run stops early: divergence (:class:`Divergence`) and
+SIGINT/SIGTERM (:class:`Interruption`), both raising :class:`Stop`."""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_only
+
+from muoneq.suite.runtime.accelerators import peak_memory, reset_peak_memory, synchronize
+
+
+class StepStats(L.Callback):
+    """Time of every optimizer step and the peak memory, logged as ``perf/step_time_s`` and
+    ``perf/peak_memory_gb``.
+
+    A step is timed from the start of its first micro-batch to the end of its last one, with the
+    device synchronized at both ends (data loading of the first micro-batch and validation are
+    outside). The first step of every session (warm-up, cudnn autotuning, compilation) is not
+    counted. Totals are kept in checkpoints, so a resumed run reports figures for all of its
+    training, not just the last session.
+    """
+
+    def __init__(self) -> None:
+        self.step_times: list[float] = []  # this session's counted steps
+        self.previous = {"steps": 0, "seconds": 0.0, "train_seconds": 0.0}
+        self._step_start: float | None = None
+        self._step_at_start = 0
+        self._session_first_step: int | None = None
+        self._train_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ timing
+    def on_train_start(self, trainer, pl_module) -> None:
+        reset_peak_memory(pl_module.device)
+        self._train_start = time.perf_counter()
+        self._session_first_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._step_start is None:  # first micro-batch of an optimizer step
+            synchronize(pl_module.device)
+            self._step_start = time.perf_counter()
+            self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._step_start is None or trainer.global_step == self._step_at_start:
+            return  # more micro-batches to accumulate before the optimizer steps
+        synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._step_start
+        self._step_start = None
+        if self._step_at_start > self._session_first_step:
+            self.step_times.append(elapsed)
+        peak, _ = peak_memory(pl_module.device)
+        pl_module.log_dict(
+            {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
+            on_step=True, on_epoch=False, rank_zero_only=True,
+        )
+
+    # ------------------------------------------------------------------ results
+    def summary(self, device) -> dict:
+        """Mean and median step time, peak memory and training wall-clock of the whole run."""
+        steps = self.previous["steps"] + len(self.step_times)
+        seconds = self.previous["seconds"] + sum(self.step_times)
+        peak, kind = peak_memory(device)
+        return {
+            "step_time_s": seconds / steps if steps else math.nan,
+            "step_time_median_s": (
+                statistics.median(self.step_times) if self.step_times else math.nan
+            ),
+            "timed_steps": steps,
+            "peak_memory_gb": peak / 2**30,
+            "peak_memory_kind": kind,
+            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+        }
+
+    def _train_seconds(self) -> float:
+        return time.perf_counter() - self._train_start
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": self.previous["steps"] + len(self.step_times),
+            "seconds": self.previous["seconds"] + sum(self.step_times),
+            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.previous = dict(state_dict)
+
+
+class StepLearningRate(LearningRateMonitor):
+    """Lightning's ``LearningRateMonitor`` by step, once per optimizer step: under gradient
+    accumulation it would log the same lr at the same step for every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__(logging_interval="step")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # the step's first micro-batch
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+class LastValidation(L.Callback):
+    """The optimizer step of the last validation (kept in checkpoints), so that a run whose
+    budget ends between validations is validated once more on its final weights."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.step = trainer.global_step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
+
+
+class LogLines(L.Callback):
+    """One plain line every ``log_every_n_steps`` steps and after every validation (rank 0),
+    for logs written to files (SLURM, nohup), where a progress bar is unreadable. ``step k``
+    is the global step after the k-th optimizer step, with that step's loss and lr (the
+    values TensorBoard shows at k)."""
+
+    def __init__(self, every_n_steps: int) -> None:
+        self.every_n_steps = every_n_steps
+        self._last_time = time.perf_counter()
+        self._last_step = 0
+        self._lr = math.nan
+
+    @rank_zero_only
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the lr this optimizer step uses (the scheduler moves on before on_train_batch_end)
+        self._lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else math.nan
+
+    @staticmethod
+    def _format(metrics: dict, prefix: str) -> str:
+        parts = []
+        for key in sorted(metrics):
+            if key.startswith(prefix):
+                value = float(metrics[key])
+                parts.append(f"{key} {value:.4g}")
+        return "  ".join(parts)
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step % self.every_n_steps:
+            return
+        now = time.perf_counter()
+        rate = (now - self._last_time) / max(1, step - self._last_step)
+        self._last_time, self._last_step = now, step
+        total = trainer.estimated_stepping_batches
+        metrics = self._format(trainer.callback_metrics, "train/")
+        print(
+            f"epoch {trainer.current_epoch}  step {step}/{total}  {metrics}  lr {self._lr:.3g}  "
+            f"{rate:.3f} s/step",
+            flush=True,
+        )
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = self._format(trainer.callback_metrics, "val/")
+        print(f"epoch {trainer.current_epoch}  step {trainer.global_step}  {metrics}", flush=True)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = trainer.global_step
+        self._last_time = time.perf_counter()
+
+
+class Stop(Exception):
+    """Raised by a callback to end ``fit`` at once (on every rank: the callbacks decide
+    together); :func:`muoneq.suite.runtime.train` turns it into the run's outcome."""
+
+    def __init__(self, step: int, what: str, checkpoint: Path | None = None,
+                 signum: int | None = None) -> None:
+        super().__init__(what)
+        self.step, self.what, self.checkpoint, self.signum = step, what, checkpoint, signum
+
+
+def _any_rank(trainer, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a collective: every rank calls it at the same
+    point, so that all of them stop together)."""
+    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+
+
+class _AtStepEnd(L.Callback):
+    """Calls :meth:`step_end` after the last micro-batch of every optimizer step."""
+
+    _step_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._step_at_start:  # else: more micro-batches to go
+            self.step_end(trainer)
+
+    def step_end(self, trainer) -> None:
+        raise NotImplementedError
+
+
+class Divergence(_AtStepEnd):
+    """Stop the run when its training loss or its validation ``monitor`` is NaN or infinite
+    more than ``patience`` times in a row (optimizer steps and validations;
+    ``trainer.divergence_patience``, 0: the first).
+
+    The loss of every micro-batch is checked on its device; the host reads the verdict once
+    per optimizer step (the device is synchronized there anyway, :class:`StepStats`), and once
+    per validation. The run ends at once with :class:`Stop`: nothing more is trained,
+    validated or saved (the weights are not finite)."""
+
+    def __init__(self, patience: int, monitor: str | None) -> None:
+        self.patience, self.monitor = patience, monitor
+        self.in_a_row = 0
+        self._bad = self._loss = None
+
+    def _check(self, trainer, name: str, finite: bool, value) -> None:
+        if not _any_rank(trainer, not finite):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if self.in_a_row > self.patience:
+            raise Stop(trainer.global_step, f"{name} is not finite ({float(value)})")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            loss = loss.detach()
+            bad = ~torch.isfinite(loss)
+            # the step's first non-finite loss, for the message (kept on the device: no sync)
+            self._loss = loss if self._bad is None else torch.where(self._bad, self._loss, loss)
+            self._bad = bad if self._bad is None else self._bad | bad
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def step_end(self, trainer) -> None:
+        bad, loss, self._bad, self._loss = self._bad, self._loss, None, None
+        if bad is not None:
+            self._check(trainer, "the training loss", not bool(bad), loss)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit" or self.monitor is None:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            self._check(trainer, self.monitor, math.isfinite(float(value)), value)
+
+
+class Interruption(_AtStepEnd):
+    """SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill) while training: the current
+    optimizer step is finished, ``last-step<N>.ckpt`` is saved for it (``save``, the resume
+    point's saver) and the run ends with :class:`Stop`, so that ``resume=auto`` loses nothing.
+
+    The processes decide together at the end of every optimizer step, so a signal that reaches
+    one rank stops all of them at the same step. A second Ctrl-C stops at once (Python's
+    ``KeyboardInterrupt``). The handlers are installed only while training runs (from
+    ``on_train_start``, replacing Lightning's SIGTERM handler, which would stop at the next
+    epoch boundary without a checkpoint), and the previous ones are restored afterwards. A
+    signal during a validation is acted on at the end of the next training step.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, save) -> None:
+        self.save = save
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signum = signum
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.signum = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()
+
+    def step_end(self, trainer) -> None:
+        if _any_rank(trainer, self.signum is not None):
+            checkpoint = self.save(trainer)
+            name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+            raise Stop(trainer.global_step, f"stopped by {name}", checkpoint,
+                       self.signum or signal.SIGTERM)

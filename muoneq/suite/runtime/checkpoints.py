@@ -1,0 +1,217 @@
+"""Checkpoint files a run can trust: written whole, checked before a resume, old ones pruned.
+
+* **Written whole.** :class:`ChecksummedCheckpointIO` writes each checkpoint to a temporary file
+  in its own folder and renames it into place (atomic on every file system; Lightning's writer
+  stages it under ``$TMPDIR`` and moves it, a copy when that is another file system), and
+  removes the temporary file when the write fails.
+* **Checked.** Beside every checkpoint ``X`` it writes ``X.sha256`` (``sha256sum`` format, so
+  ``cd checkpoints && sha256sum -c X.sha256`` checks it by hand) with the SHA-256 of the bytes
+  written, computed while writing. :func:`resume_point` verifies them before a resume: a
+  checkpoint whose bytes differ (a flipped byte, a file cut short) is *damaged*; it is named,
+  kept as ``X.damaged`` (never deleted) and the previous intact one is used. A checkpoint
+  without ``X.sha256`` (written before this check existed) is checked with the CRC-32 that
+  ``torch.save`` records for every record of its zip archive (a distributed FSDP2 checkpoint,
+  a folder, by its ``.metadata``, written last).
+* **Pruned.** :class:`LastCheckpoint` deletes every older ``last-step<N>.ckpt`` once a newer
+  one is complete, those of earlier sessions included, so a run keeps one resume point.
+
+torch's own integrity data is not enough alone: ``torch.load`` does not check the CRC-32s, so a
+flipped byte in a tensor loads without a word; a SHA-256 is recorded here because no Lightning
+or torch writer records one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from muoneq.suite.errors import UserError
+from muoneq.suite.files import atomic_open, atomic_write, reporting_full_disk
+
+#: Files of a run folder's ``checkpoints/``.
+CHECKPOINT_DIR = "checkpoints"
+LAST_PREFIX = "last-step"
+#: ``best.ckpt``: the weights with the best ``monitor`` value of the run.
+BEST_NAME = "best"
+CHECKSUM_SUFFIX = ".sha256"
+DAMAGED_SUFFIX = ".damaged"
+_LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be loaded (the message names the file)."""
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_checksums(checkpoint: Path, sums: dict[str, str]) -> None:
+    """``checkpoint.sha256``: one ``<sha256>  <path relative to the checkpoints folder>`` line
+    per file, written atomically."""
+    atomic_write(checksum_path(checkpoint),
+                 "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+
+
+def record_folder_checksums(checkpoint: Path) -> None:
+    """The checksums of a distributed checkpoint (a folder of files), once it is complete."""
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    _write_checksums(checkpoint, {str(p.relative_to(checkpoint.parent)): _sha256(p)
+                                  for p in files})
+
+
+def damage(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` cannot be trusted, or None when it is intact (see the module
+    docstring for what is checked)."""
+    sums = checksum_path(checkpoint)
+    if not checkpoint.exists():
+        return "it is missing"
+    if sums.is_file():
+        for line in sums.read_text().splitlines():
+            digest, _, name = line.partition("  ")
+            part = checkpoint.parent / name
+            if not part.is_file():
+                return f"{name} is missing"
+            if _sha256(part) != digest:
+                return f"the SHA-256 of {name} differs from the one in {sums.name}"
+        if checkpoint.is_dir() and not (checkpoint / ".metadata").is_file():
+            return "its .metadata is missing"
+        return None
+    if checkpoint.is_dir():
+        return None if (checkpoint / ".metadata").is_file() else "it was not written to the end"
+    try:
+        with zipfile.ZipFile(checkpoint) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return "it is not a complete checkpoint (cut short or overwritten)"
+    return None if bad is None else f"the CRC-32 of its record {bad} does not match"
+
+
+def last_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``last-step<N>.ckpt`` of a run folder, newest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in folder.glob(f"{LAST_PREFIX}*.ckpt")
+             if (m := _LAST.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest intact ``last-step<N>.ckpt`` (or None) and the damaged ones newer than it,
+    with why. Reads each candidate once, newest first, until one is intact."""
+    damaged = []
+    for _, path in last_checkpoints(run_dir):
+        reason = damage(path)
+        if reason is None:
+            return path, damaged
+        damaged.append((path, reason))
+    return None, damaged
+
+
+def remove_partial_writes(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours: see
+    :func:`muoneq.suite.files.atomic_open`) from a run folder's checkpoints; return them."""
+    partial = [p for p in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp") if p.is_file()]
+    for path in partial:
+        path.unlink()
+    return partial
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint (and its checksums) to ``*.damaged``: kept for inspection,
+    never resumed from, pruned or cleared."""
+    kept = path.with_name(path.name + DAMAGED_SUFFIX)
+    os.replace(path, kept)
+    sums = checksum_path(path)
+    if sums.exists():
+        os.replace(sums, sums.with_name(sums.name + DAMAGED_SUFFIX))
+    return kept
+
+
+class _HashingWriter:
+    """A binary file that also hashes what is written to it (``torch.save`` writes its zip
+    archive front to back, so the digest is the file's)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class ChecksummedCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` writing in place with checksums, and reading with
+    one-line errors (module docstring)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("storage_options are not supported by ChecksummedCheckpointIO")
+        path = Path(path)
+        then = "then continue the run with resume=auto"
+        with reporting_full_disk(path, then):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb", fsync=True, then=then) as f:
+            writer = _HashingWriter(f)
+            torch.save(checkpoint, writer)
+            # the checksums first: a checkpoint never exists without them
+            _write_checksums(path, {path.name: writer.digest.hexdigest()})
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(path, map_location=map_location,
+                                           weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # torch's text advises weights_only=False: not for a damaged file
+            raise CheckpointError(
+                f"{path} cannot be loaded ({type(err).__name__}): it is damaged or not a "
+                "checkpoint of this run; move it out of the checkpoints folder to resume from "
+                "the previous one, or start the run again in another folder") from None
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        checksum_path(Path(path)).unlink(missing_ok=True)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """The run's resume point, ``last-step<N>.ckpt``: Lightning's ``ModelCheckpoint`` without a
+    monitor that, once a new one is complete, prunes every older one (earlier sessions'
+    included). :meth:`save_now` saves one at the current step (an interruption)."""
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int | None) -> None:
+        super().__init__(
+            dirpath=dirpath, filename=LAST_PREFIX + "{step:09d}", auto_insert_metric_name=False,
+            monitor=None, save_top_k=1, every_n_train_steps=every_n_train_steps,
+            save_on_train_epoch_end=None if every_n_train_steps else True,
+            enable_version_counter=False,
+        )
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        step = int(_LAST.fullmatch(Path(filepath).name).group(1))
+        for older, path in last_checkpoints(Path(filepath).parents[1]):
+            if older < step:
+                trainer.strategy.remove_checkpoint(path)
+
+    def save_now(self, trainer) -> Path:
+        """Save ``last-step<N>.ckpt`` for the current step (unless it is saved already)."""
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
+        return Path(self.dirpath) / f"{LAST_PREFIX}{trainer.global_step:09d}{self.FILE_EXTENSION}"

@@ -1,0 +1,378 @@
+"""One training run: run folder, seeding, resume, fit, test and ``metrics.json``.
+
+A run folder (``run.dir``, default ``runs/<run.name>``) holds::
+
+    config.yaml       the fully resolved config and its provenance (see
+                      :mod:`muoneq.suite.runtime.record`): what ran, its fingerprint, who ran it
+    routing.txt       every tensor's path (matrix/AdamW), the matrices the optimizer sees and
+                      the rule that decided it (:func:`muoneq.describe_routing`)
+    tensorboard/      TensorBoard scalars (by global step) and hparams (with declared metrics)
+    checkpoints/      last-step<N>.ckpt (resume point) and best.ckpt (best monitored metric),
+                      each with its SHA-256 (:mod:`muoneq.suite.runtime.checkpoints`)
+    metrics.json      final figures; written last, only by a run that finished or diverged
+                      (its "status")
+
+A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
+``status`` as how it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from omegaconf import DictConfig, OmegaConf
+
+import muoneq
+from muoneq.newton_schulz import dtype_name, resolve_dtype
+from muoneq.suite.errors import Diverged, Interrupted
+from muoneq.suite.files import atomic_write, reporting_full_disk
+from muoneq.suite.runtime import checkpoints, record
+from muoneq.suite.runtime.callbacks import LastValidation, StepStats, Stop
+from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
+from muoneq.suite.runtime.config import Resume
+from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
+from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
+from muoneq.suite.runtime.tasks import get_task
+from muoneq.suite.runtime.trainer import TENSORBOARD_DIR, build_trainer, check_accelerator
+
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """``run.dir``, or ``<run.root>/<run.name>`` (a name is one folder name: checked when the
+    config is composed, and here again, so that no name leads out of ``run.root``)."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    root = Path(cfg.run.root)
+    run_dir = root / cfg.run.name
+    if Path(os.path.normpath(run_dir)).parent != Path(os.path.normpath(root)):
+        raise RunFolderError(f"run.name={cfg.run.name!r} leads out of run.root={root}; pass "
+                             "another run.name")
+    return run_dir
+
+
+def find_resume_checkpoint(run_dir: Path) -> Path | None:
+    """The newest intact ``last-step<N>.ckpt`` of a run folder, or ``None``."""
+    return checkpoints.resume_point(run_dir)[0]
+
+
+def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) -> None:
+    """The run's hyper-parameters in TensorBoard's HParams view, with ``metrics`` declared as
+    its columns (it shows only declared ones). Lightning's ``log_hyperparams(metrics=...)``
+    would also log each declared metric as a scalar at step 0; those NaN points are not data."""
+    from torch.utils.tensorboard.summary import hparams
+
+    params = {k: v if isinstance(v, bool | int | float | str) else str(v)
+              for k, v in record.flatten(record.resolved(cfg)).items()}
+    writer = trainer.logger.experiment._get_file_writer()
+    for summary in hparams(params, dict.fromkeys(metrics, 0.0)):
+        writer.add_summary(summary)
+
+
+def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
+    """What the config's ``auto`` values are on this machine: the dtype Newton–Schulz runs in
+    (``optimizer.ns_dtype=auto``: float32 on CPU, bfloat16 on accelerators)."""
+    if "ns_dtype" not in cfg.optimizer:
+        return {}
+    dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)
+    return {"ns_dtype": dtype_name(dtype)}
+
+
+def _clear_attempt(run_dir: Path) -> None:
+    """Remove the TensorBoard events and checkpoints of an earlier attempt in this run folder
+    that left no checkpoint to resume from (its curves would mix with this run's). Called only
+    for a folder whose ``config.yaml`` is ours (:func:`muoneq.suite.runtime.record.read_record`);
+    checkpoints set aside as damaged are kept, and nothing else is ever deleted."""
+    made = [p for p in (run_dir / CHECKPOINT_DIR).glob("*")
+            if checkpoints.DAMAGED_SUFFIX not in p.name]
+    made += [run_dir / TENSORBOARD_DIR] if (run_dir / TENSORBOARD_DIR).is_dir() else []
+    if made:
+        print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
+              "resume from; starting over (its tensorboard/ and checkpoints are removed)")
+    for path in made:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _read_finished(metrics_path: Path) -> dict:
+    """The figures of a finished run (one line naming the file when it is not readable)."""
+    try:
+        metrics = json.loads(metrics_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunFolderError(
+            f"{metrics_path} is damaged ({type(err).__name__}: {err}), so the finished run's "
+            "results cannot be read; restore it from a backup, or delete it and run again with "
+            "resume=auto (the run restarts from its last checkpoint)") from None
+    if not isinstance(metrics, dict):
+        raise RunFolderError(f"{metrics_path} is not a JSON object; restore it from a backup, "
+                             "or delete it and run again with resume=auto")
+    return metrics
+
+
+def continue_command(argv: list[str] | None) -> str:
+    """The command that continues this run: the same one with ``resume=auto``."""
+    if argv is None:  # called from Python: the caller's own call, with resume=auto
+        return "the same call with resume=auto"
+    words = [a for a in argv if not a.startswith("resume=")]
+    return shlex.join(["muoneq", "train", *words, "resume=auto"])
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+def _callback(trainer: L.Trainer, kind: type, **attrs):
+    for cb in trainer.callbacks:
+        if isinstance(cb, kind) and all(getattr(cb, k) == v for k, v in attrs.items()):
+            return cb
+    raise LookupError(kind)
+
+
+def _keep_best(trainer: L.Trainer, best_cb: ModelCheckpoint, score: float | None,
+               mode: str) -> None:
+    """Save ``best.ckpt`` from the final weights when their extra validation beats every
+    validation of the fit (ModelCheckpoint only sees validations inside ``fit``)."""
+    previous = best_cb.best_model_score
+    improves = score is not None and (previous is None or (
+        score > float(previous) if mode == "max" else score < float(previous)))
+    # rank 0 decides for all: saving is a collective under DDP/FSDP
+    if trainer.strategy.broadcast(improves):
+        path = str(Path(best_cb.dirpath) / f"{BEST_NAME}{best_cb.FILE_EXTENSION}")
+        trainer.save_checkpoint(path)
+        best_cb.best_model_score, best_cb.best_model_path = torch.tensor(score), path
+
+
+def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> dict:
+    """Run ``cfg`` to the end and return the figures written to ``metrics.json``.
+
+    ``resume=never`` refuses a run folder that holds checkpoints or metrics. ``resume=auto``
+    continues from its newest complete ``last`` checkpoint, or returns the saved figures of a
+    run that already finished, but only when that run computed what ``cfg`` computes (equal
+    fingerprints: every key that can change the result, and the number of processes); otherwise
+    it raises :class:`RunFolderError` with one line per differing key and leaves the folder as
+    it was. A finished run is never extended (see
+    :func:`muoneq.suite.runtime.record.check_same_run`).
+    Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
+
+    Checkpoints are verified before a resume: a damaged one is named, kept as ``*.damaged`` and
+    the previous intact one is used (:mod:`muoneq.suite.runtime.checkpoints`). A NaN/inf loss or
+    validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
+    :class:`~muoneq.suite.errors.Diverged`; SIGINT/SIGTERM saves the current step and raises
+    :class:`~muoneq.suite.errors.Interrupted` with the command that continues the run; a full disk
+    raises :class:`~muoneq.suite.errors.DiskFull` naming the folder.
+    """
+    started = time.perf_counter()
+    check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
+    run_dir = run_dir_of(cfg)
+    start = _resume_or_refuse(cfg, run_dir)
+    if start.finished is not None:
+        return start.finished
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module, datamodule = get_task(cfg.task.name).build(cfg)
+    if cfg.spectra.enabled:
+        callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
+    trainer = build_trainer(
+        cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
+        callbacks=callbacks,
+    )
+    if start.checkpoint is not None:
+        record.check_same_run(run_dir, start.previous, cfg, finished=False,
+                              world_size=trainer.world_size)
+    if trainer.is_global_zero:
+        _open_session(trainer, cfg, module, run_dir, start, argv)
+
+    _fit(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv, started)
+    fit_metrics, best, final = _scores(trainer, module, datamodule)
+    return _write_metrics(trainer, cfg, module, run_dir, started, {
+        "status": "finished", "best": best, "final": final,
+        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
+        **_test_metrics(trainer, module, datamodule),
+    })
+
+
+class _Start(NamedTuple):
+    """Where :func:`train` starts: the folder's ``config.yaml`` record (``None``: a new run),
+    the checkpoint to resume from and the damaged ones set aside, or the figures of a run that
+    already finished (nothing to train)."""
+
+    previous: dict | None
+    checkpoint: Path | None = None
+    damaged: list[tuple[Path, str]] | tuple = ()
+    finished: dict | None = None
+
+
+def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
+    """Read ``run_dir`` under ``cfg.resume``: refuse a folder that is not a run folder, or that
+    holds another run or a finished one without ``resume=auto``; else say where to start."""
+    metrics_path = run_dir / METRICS_FILE
+    finished = metrics_path.is_file()
+    stored = [] if finished else checkpoints.last_checkpoints(run_dir)
+    previous = record.read_record(run_dir)
+    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
+        raise RunFolderError(
+            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
+            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
+            "run.name")
+    if not (finished or stored):
+        return _Start(previous)
+    what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
+    if cfg.resume is not Resume.auto:
+        raise RunFolderError(
+            f"{run_dir} holds {what}; pass resume=auto to "
+            f"{'read its results' if finished else 'continue it'}, or start a new run in "
+            "another folder (another run.dir or run.name)")
+    if previous is None:
+        raise RunFolderError(
+            f"{run_dir} holds {what} but no {CONFIG_FILE}, so what it ran cannot be "
+            "checked; start the run in another folder (another run.dir or run.name)")
+    record.check_same_run(run_dir, previous, cfg, finished=finished)
+    if finished:
+        metrics = _read_finished(metrics_path)
+        if metrics.get("status") == "diverged":
+            raise diverged_error(run_dir, metrics.get("diverged_at_step"),
+                                 metrics.get("diverged"))
+        print(f"muoneq: {run_dir} already finished with these settings; its {METRICS_FILE} "
+              "is the result (nothing to do)")
+        return _Start(previous, finished=metrics)
+    checkpoint, damaged = checkpoints.resume_point(run_dir)
+    return _Start(previous, checkpoint, damaged)
+
+
+def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,
+                  argv: list[str] | None) -> None:
+    """On rank 0: set the damaged checkpoints aside, record the session (a new run's
+    ``config.yaml``, or one more session of a resumed one) and declare the HParams view."""
+    auto = _auto_values(cfg, trainer)
+    then = (f"the run resumes from {start.checkpoint.name}" if start.checkpoint is not None
+            else "no intact checkpoint is left: the run starts over")
+    for path, reason in start.damaged:
+        kept = checkpoints.set_aside(path)
+        print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
+              f"{then}")
+    if start.checkpoint is None:
+        if start.previous is not None:
+            _clear_attempt(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
+    else:
+        checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
+        record.add_session(run_dir, start.previous, cfg, argv, start.checkpoint, auto)
+        print(f"muoneq: resuming {run_dir} from {start.checkpoint.name}")
+    summary = ["metrics/best", "metrics/final"] if module.monitor else []
+    if os.environ.get(HPARAMS_ENV) != "0":  # else a sweep writes the HParams view
+        _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
+
+
+def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
+         checkpoint: Path | None, argv: list[str] | None, started: float) -> None:
+    """``trainer.fit`` from ``checkpoint``; a divergence is recorded and raised as
+    :class:`~muoneq.suite.errors.Diverged`, a signal as
+    :class:`~muoneq.suite.errors.Interrupted`."""
+    try:
+        with reporting_full_disk(run_dir, then="re-run the same command with resume=auto"):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+    except Stop as stop:
+        if stop.checkpoint is None:
+            _diverged(trainer, cfg, module, run_dir, stop, started)
+        raise Interrupted(
+            f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
+            f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
+            f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+
+
+def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None, float | None]:
+    """The fit's last logged metrics and the best and final monitored values; the final weights
+    are validated once more when the budget ended between validations."""
+    fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
+    if module.monitor is None:
+        return fit_metrics, None, None
+    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
+    if _callback(trainer, LastValidation).step != trainer.global_step:
+        # the budget ended between validations: validate the final weights once more
+        fit_metrics |= {k: _number(v) for k, v in trainer.validate(
+            module, datamodule=datamodule, verbose=False)[0].items()}
+        _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
+    final = fit_metrics.get(module.monitor)
+    scores = [_number(best_cb.best_model_score)] if best_cb.best_model_score is not None else []
+    scores = [s for s in (*scores, final) if s is not None]
+    best = (max if module.monitor_mode == "max" else min)(scores) if scores else None
+    if trainer.is_global_zero:
+        trainer.logger.log_metrics(
+            {k: v for k, v in (("metrics/best", best), ("metrics/final", final))
+             if v is not None}, step=trainer.global_step)
+    return fit_metrics, best, final
+
+
+def _test_metrics(trainer: L.Trainer, module, datamodule) -> dict:
+    """The test set's metrics, when the task defines a test step and data."""
+    if not (is_overridden("test_step", module) and is_overridden("test_dataloader", datamodule)):
+        return {}
+    results = trainer.test(module, datamodule=datamodule, verbose=False)
+    return {k: _number(v) for k, v in (results[0] if results else {}).items()}
+
+
+def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, started: float,
+                   figures: dict) -> dict:
+    """Write ``metrics.json`` (rank 0) from the run's ``figures`` and what every run records;
+    return it."""
+    metrics = {
+        "status": figures.pop("status"),
+        "task": cfg.task.name,
+        "optimizer": cfg.optimizer.name,
+        "seed": cfg.seed,
+        "paper_metric": module.paper_metric,
+        "monitor": module.monitor,
+        "monitor_mode": module.monitor_mode if module.monitor else None,
+        **figures,
+        **_callback(trainer, StepStats).summary(module.device),
+        "wall_clock_s": time.perf_counter() - started,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "world_size": trainer.world_size,
+        **module.final_metrics(),
+        "run_dir": str(run_dir),
+        "muoneq_version": muoneq.__version__,
+        "git_commit": record.git_commit(),
+    }
+    metrics = {k: _number(v) if isinstance(v, float) else v for k, v in metrics.items()}
+    if trainer.is_global_zero:
+        atomic_write(run_dir / METRICS_FILE, json.dumps(metrics, indent=2, default=str) + "\n")
+    return metrics
+
+
+def _diverged(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, stop: Stop,
+              started: float) -> NoReturn:
+    """Record a run that :class:`~muoneq.suite.runtime.callbacks.Divergence` stopped:
+    ``metrics.json``
+    with ``"status": "diverged"``, the step and what was not finite, the best validation value
+    before it; then raise :class:`~muoneq.suite.errors.Diverged`."""
+    best = None
+    if module.monitor is not None:
+        score = _callback(trainer, ModelCheckpoint, monitor=module.monitor).best_model_score
+        best = None if score is None else _number(score)
+    _write_metrics(trainer, cfg, module, run_dir, started, {
+        "status": "diverged", "diverged_at_step": stop.step, "diverged": stop.what,
+        "best": best, "final": None})
+    raise diverged_error(run_dir, stop.step, stop.what)
+
+
+def diverged_error(run_dir: Path, step: int, what: str) -> Diverged:
+    return Diverged(
+        f"{run_dir} diverged at step {step}: {what}; its {METRICS_FILE} says \"status\": "
+        "\"diverged\" (lower optimizer.lr, or raise trainer.divergence_patience to tolerate "
+        "isolated non-finite values)")

@@ -1,0 +1,232 @@
+"""Run one trial as its own process, and recognise a run folder's state after a crash.
+
+The trial contract: the command writes ``<run dir>/metrics.json`` as its very last act on success
+(TensorBoard logs go under the run folder too). The driver adds three files of its own:
+
+* ``trial.json``: what the folder was run with (its fingerprint: experiment, overrides, seed), so
+  a result is never reused for different settings;
+* ``trial.log``: the process's stdout and stderr, one header per attempt;
+* ``.trial.lock``: an exclusive ``flock`` taken by the driver and *inherited by the trial
+  process*: it stays held while the process lives, even if the driver is killed, so a restarted
+  driver can tell "still running" (adopt it) from "died" (retry it) without guessing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from muoneq.suite.files import atomic_write
+from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
+from muoneq.suite.sweeps.spec import Point, SweepSpec
+
+RECORD_NAME = "trial.json"
+LOG_NAME = "trial.log"
+LOCK_NAME = ".trial.lock"
+#: seconds between SIGTERM and SIGKILL when a run is stopped
+KILL_GRACE_S = 20.0
+
+
+class ResultMismatch(RuntimeError):
+    """A run folder holds a result made with other settings than the ones asked for."""
+
+
+@dataclass
+class Outcome:
+    """How a run ended: ``complete``, ``failed``, ``pruned``, ``interrupted``, ``timeout``, or
+    ``busy`` (another live process holds the folder)."""
+
+    status: str
+    metrics: dict | None = None
+    returncode: int | None = None
+    message: str = ""
+
+
+def build_command(
+    template: str, fields: Mapping[str, object], overrides: Sequence[str]
+) -> list[str]:
+    """Split the template into words, fill ``{placeholders}``, expand ``{overrides}`` in place."""
+    argv: list[str] = []
+    for word in shlex.split(template):
+        if word == "{overrides}":
+            argv.extend(overrides)
+        else:
+            argv.append(word.format(**fields))
+    return argv
+
+
+def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
+                  devices: Sequence[str] = (), worker: int = 0):
+    """The argv, environment and fingerprint of one run (the launch template filled in)."""
+    overrides = list(spec.overrides) + point.overrides()
+    fields = {**spec.launch.vars, "python": sys.executable,
+              "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
+              "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
+              "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
+    argv = build_command(spec.launch.command, fields, overrides)
+    # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
+    env = {**os.environ, HPARAMS_ENV: "0", **{k: str(v) for k, v in spec.launch.env.items()}}
+    if spec.launch.devices_per_trial:
+        env[spec.launch.device_env] = fields["devices"]
+    fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
+    return argv, env, fingerprint
+
+
+def read_metrics(run_dir: Path) -> dict | None:
+    """The run's ``metrics.json`` as a dict, or None when absent or not (yet) complete JSON."""
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_trial_fingerprint(run_dir: Path, fingerprint: Mapping) -> None:
+    """Raise :class:`ResultMismatch` if the folder was run with other settings."""
+    path = Path(run_dir) / RECORD_NAME
+    if not path.exists():
+        return
+    recorded = json.loads(path.read_text()).get("fingerprint")
+    if recorded != json.loads(json.dumps(fingerprint)):
+        raise ResultMismatch(
+            f"{run_dir} was run with {recorded}, not {dict(fingerprint)}; remove the folder or "
+            "give the sweep another study name"
+        )
+
+
+def is_active(run_dir: Path) -> bool:
+    """True while a process (of any driver, dead or alive) still holds the folder's lock."""
+    return lock_is_held(Path(run_dir) / LOCK_NAME)
+
+
+def lock_is_held(path: Path) -> bool:
+    """True while some process holds an ``flock`` on ``path`` (False if it does not exist)."""
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we may have taken
+    return False
+
+
+def append_log(run_dir: Path, line: str) -> None:
+    """Add a line of the driver's own to the run's ``trial.log``."""
+    with (Path(run_dir) / LOG_NAME).open("a") as fh:
+        fh.write(line.rstrip("\n") + "\n")
+
+
+def log_tail(run_dir: Path, lines: int = 15) -> str:
+    path = Path(run_dir) / LOG_NAME
+    if not path.exists():
+        return ""
+    with path.open("rb") as fh:
+        fh.seek(max(0, path.stat().st_size - 8192))
+        text = fh.read().decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the trial's process group, SIGKILL it after :data:`KILL_GRACE_S`."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_process(
+    argv: Sequence[str],
+    run_dir: Path,
+    *,
+    env: Mapping[str, str],
+    fingerprint: Mapping,
+    on_tick: Callable[[], str | None],
+    tick_s: float = 1.0,
+    timeout_s: float | None = None,
+) -> Outcome:
+    """Run ``argv`` for ``run_dir`` and return its :class:`Outcome`.
+
+    ``on_tick`` is called about every ``tick_s`` seconds while the process runs (heartbeats,
+    pruning); returning ``"pruned"`` or ``"interrupted"`` stops the process group.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_trial_fingerprint(run_dir, fingerprint)
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return Outcome("busy", message=f"{run_dir} is held by a live process")
+    try:
+        record = {"fingerprint": fingerprint, "argv": list(argv), "host": socket.gethostname(),
+                  "started": time.time()}
+        atomic_write(run_dir / RECORD_NAME, json.dumps(record, indent=1))
+        with (run_dir / LOG_NAME).open("ab") as log:
+            log.write(f"\n=== {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=dict(env), start_new_session=True, pass_fds=(fd,),
+            )
+            start, reason = time.monotonic(), None
+            while True:
+                try:
+                    proc.wait(timeout=tick_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    reason = "timeout"
+                else:
+                    reason = on_tick()
+                if reason:
+                    _stop(proc)
+                    break
+    finally:
+        os.close(fd)
+    metrics = read_metrics(run_dir)
+    tail = log_tail(run_dir)
+    if reason:
+        return Outcome(reason, metrics, proc.returncode, tail)
+    if metrics is not None:  # metrics.json is the trial's last act: it marks success
+        return Outcome("complete", metrics, proc.returncode)
+    why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
+        f"exited with status {proc.returncode}")
+    return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip())
+
+
+def wait_for_release(
+    run_dir: Path, *, on_tick: Callable[[], str | None], tick_s: float = 1.0
+) -> Outcome:
+    """Adopt a run whose driver died while its process lives on: wait for it, read its result."""
+    while is_active(run_dir):
+        reason = on_tick()
+        if reason:
+            return Outcome(reason, message="stopped waiting for an adopted run (still running)")
+        time.sleep(tick_s)
+    metrics = read_metrics(run_dir)
+    if metrics is not None:
+        return Outcome("complete", metrics)
+    return Outcome("failed",
+                   message=f"adopted run ended without {METRICS_FILE}\n{log_tail(run_dir)}")

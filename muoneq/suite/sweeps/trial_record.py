@@ -1,0 +1,73 @@
+"""What a study holds about each trial (its Optuna user attributes) and about itself (the
+study's user attributes): the one description of that record, written by the driver
+(:mod:`~muoneq.suite.sweeps.ledger`, :mod:`~muoneq.suite.sweeps.scheduler`,
+:mod:`~muoneq.suite.sweeps.verdict`) and read by the driver and the report
+(:mod:`muoneq.suite.report.records`).
+
+A field's name is its user attribute's name; a field left at None is not written. Studies
+made by earlier versions hold the same attributes (an attribute added later is None there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from optuna.trial import BaseTrial
+
+#: study user attributes: what may not change while the study goes on
+#: (:func:`muoneq.suite.sweeps.study.study_fingerprint`), the sweep spec it runs (for the report),
+#: what the plan added and why it stopped (:meth:`muoneq.suite.sweeps.plan.Plan.to_dict`), and the
+#: Optuna distribution of every search axis (:mod:`muoneq.suite.sweeps.distributions`)
+STUDY_FINGERPRINT, STUDY_SPEC, STUDY_PLAN, STUDY_DISTRIBUTIONS = (
+    "fingerprint", "spec", "plan", "distributions")
+
+#: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
+FAILURES = ("failed", "timeout")
+
+
+@dataclass
+class TrialRecord:
+    """The user attributes of one trial (see the module docstring)."""
+
+    run_key: str | None = None  #: the run it runs (:mod:`muoneq.suite.sweeps.ledger`)
+    point: dict[str, Any] | None = None  #: axis → value
+    seeds: list[int] | None = None  #: one per run folder, in order
+    run_dirs: list[str] | None = None  #: relative to the study folder
+    driver: str | None = None  #: the driver that runs it (``host:pid:random``)
+    host: str | None = None
+    heartbeat: float | None = None  #: last sign of life of its driver (epoch seconds)
+    attempt: int | None = None  #: 1 for the first attempt at its run
+    retry_of: int | None = None  #: the failed trial it retries (its number)
+    #: complete, diverged, pruned, interrupted, timeout, config_error, failed, skipped,
+    #: abandoned (:class:`muoneq.suite.sweeps.verdict.Verdict`)
+    outcome: str | None = None
+    message: str | None = None  #: why it ended so (the process' last lines)
+    metrics: dict[str, Any] | None = None  #: ``metrics.json`` (the mean over seeds)
+    metrics_per_seed: list[dict[str, Any]] | None = None  #: a trial of several seeds
+
+    @classmethod
+    def of(cls, trial: BaseTrial) -> TrialRecord:
+        """The record a trial (frozen or running) holds; attributes of other names are
+        ignored."""
+        attrs = trial.user_attrs
+        return cls(**{f.name: attrs[f.name] for f in fields(cls) if f.name in attrs})
+
+    def attrs(self) -> dict[str, Any]:
+        """The user attributes to write: every field that is set."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    @property
+    def skipped(self) -> bool:
+        """A duplicate of a run another trial holds (never counted)."""
+        return self.outcome == "skipped"
+
+    @property
+    def diverged(self) -> bool:
+        return self.outcome == "diverged"
+
+    def runs(self) -> list[tuple[int, dict[str, Any], str]]:
+        """``(seed, metrics, run dir)`` of each of its runs that left ``metrics.json``."""
+        per_seed = self.metrics_per_seed or [self.metrics or {}]
+        return list(zip(self.seeds or [], per_seed, self.run_dirs or [], strict=False))

@@ -1,0 +1,159 @@
+"""Check a sweep before it launches anything (and before its study is created): the preflight
+(:func:`preflight`) that ``--dry-run`` and every start of the sweep run alike.
+
+An existing study must have been started with the same fixed settings
+(:func:`muoneq.suite.sweeps.study.check_study_fingerprint`: a changed objective is refused before
+anything else). When the launch command runs ``muoneq train``, every point's training config is
+composed and type-checked exactly as that command will (:func:`muoneq.suite.runtime.config.compose`,
+without training), and the first bad point stops the sweep with its key and the config error; the
+objective, and every metric the ``report:`` section names, must be a key of the ``metrics.json`` its
+task writes (:func:`muoneq.suite.runtime.metrics.metric_keys`), or the sweep stops naming the key,
+the closest one and the list. Run folders that already hold a run (a ``config.yaml``) are compared
+with the config their point gives now: a changed experiment file or override never reuses, or
+continues, a run made with other settings. For an open (TPE) search, every search parameter is
+checked at its low and high bounds (every choice of a categorical one), with the others at their low
+bound or first choice; for a coordinate descent, every value of every axis with the others at the
+start. Bracketing checks each value it would add the same way before adding it
+(:func:`point_check`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from muoneq.suite.errors import UserError
+from muoneq.suite.sweeps.launch import trial_command
+from muoneq.suite.sweeps.report_spec import metrics_named
+from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec
+from muoneq.suite.sweeps.study import check_study_fingerprint, existing_study
+
+#: the words that start the training command in a trial's argv (``… -m muoneq train …``)
+TRAIN_COMMAND = ("muoneq", "train")
+
+
+def training_args(argv: Sequence[str]) -> list[str] | None:
+    """The ``muoneq train`` arguments of a trial's command, or None when it runs something
+    else (the sweep can then check nothing before launching)."""
+    for i in range(1, len(argv)):
+        if (Path(argv[i - 1]).name, argv[i]) == TRAIN_COMMAND:
+            return [a for a in argv[i + 1:] if not a.startswith("--")]
+    return None
+
+
+def search_points(spec: SweepSpec) -> Iterator[Point]:
+    """The points an open search's check composes (module docstring)."""
+    params, coordinate = spec.search.params, spec.search.type == "coordinate"
+    seen = set()
+    if coordinate:
+        first = {n: spec.search.start[n] for n in params}
+        start = Point(tuple(first.items()))
+        seen.add(start.key)
+        yield start
+    else:
+        first = {n: p.choices[0] if p.type == "categorical" else p.low for n, p in params.items()}
+    for name, p in params.items():
+        values = (p.values if coordinate else
+                  p.choices if p.type == "categorical" else [p.low, p.high])
+        for value in values:
+            if p.type == "int" and not coordinate:
+                value = int(value)
+            point = Point(tuple((n, value if n == name else first[n]) for n in params))
+            if point.key not in seen:
+                seen.add(point.key)
+                yield point
+
+
+def preflight(spec: SweepSpec, url: str | None, study_dir: Path) -> int:
+    """Everything checked before a sweep starts or in ``--dry-run`` (module docstring); creates
+    nothing. Returns the number of training configs composed (:func:`check_trials`)."""
+    found = existing_study(spec, url, study_dir)
+    if found is not None:
+        check_study_fingerprint(spec, found[0], url, study_dir)
+    return check_trials(spec, study_dir)
+
+
+def check_metrics(spec: SweepSpec, cfg, point: Point) -> None:
+    """:class:`SweepError` when the objective or a metric of the report is not a key of the
+    ``metrics.json`` that ``cfg`` (``point``'s config) writes; nothing when its task declares
+    no keys."""
+    from muoneq.suite.runtime.metrics import METRICS_FILE, metric_keys
+
+    keys = metric_keys(cfg)
+    if keys is None:
+        return
+    named = {spec.objective.metric: "objective.metric", **metrics_named(spec.report)}
+    for metric, field in named.items():
+        if metric not in keys:
+            hint = difflib.get_close_matches(metric, keys, n=1, cutoff=0.6)
+            raise SweepError(
+                f"{field}={metric!r} is not a key of the {METRICS_FILE} a run of point "
+                f"{point.key!r} writes (task {cfg.task.name})"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f"; its keys: {', '.join(keys)}")
+
+
+def check_trials(spec: SweepSpec, study_dir: Path) -> int:
+    """Compose the training config of every point (grid) or of the search's bounds (TPE) and
+    compare existing run folders with it; raise :class:`SweepError` at the first problem.
+    Returns the number of configs composed (0 when the launch command does not run
+    ``muoneq train``)."""
+    from muoneq.suite.runtime import record
+
+    points = spec.points() if spec.is_grid else list(search_points(spec))
+    cache: dict = {}
+    composed = 0
+    for point in points:
+        for i, seed in enumerate(spec.seeds):
+            run_dir = point.run_dir(study_dir, seed)
+            saved = record.read_record(run_dir)
+            if i and saved is None:
+                continue  # one seed is enough to type-check a point
+            try:
+                cfg = compose_point(spec, point, seed, run_dir, cache)
+            except UserError as err:
+                raise SweepError(
+                    f"point {point.key!r} (seed {seed}) is not a valid training config: {err}; "
+                    "fix the sweep's overrides or grid (--dry-run checks every point)") from None
+            if cfg is None:
+                return 0
+            check_metrics(spec, cfg, point)
+            composed += 1
+            changed = [] if saved is None else record.changed_settings(saved, cfg)
+            if changed:
+                raise SweepError(
+                    f"{run_dir} holds a run of point {point.key!r} (seed {seed}) made with other "
+                    "settings, which this sweep would reuse or continue; restore the experiment "
+                    f"file or overrides it was run with, give the study another name (--set "
+                    f"study=NAME), or delete that run folder", details=changed)
+    return composed
+
+
+def compose_point(spec: SweepSpec, point: Point, seed: int, run_dir: Path, cache: dict):
+    """The training config ``point`` with ``seed`` runs with (raises the config's
+    :class:`UserError`), or None when the launch command does not run ``muoneq train``."""
+    from muoneq.suite.runtime.config import compose
+
+    argv, _, _ = trial_command(spec, point, seed, run_dir)
+    args = training_args(argv)
+    return None if args is None else compose(args, cache=cache)
+
+
+def point_check(spec: SweepSpec, study_dir: Path) -> Callable[[Point], str | None]:
+    """``check(point)``: why ``point`` is not a valid training config (the config error's
+    text), or None; for the values bracketing would add (:data:`muoneq.suite.sweeps.plan.Check`)."""
+    cache: dict = {}
+    seen: dict[str, str | None] = {}
+
+    def check(point: Point) -> str | None:
+        if point.key not in seen:
+            seed = spec.seeds[0]
+            try:
+                compose_point(spec, point, seed, point.run_dir(study_dir, seed), cache)
+                seen[point.key] = None
+            except UserError as err:
+                seen[point.key] = str(err)
+        return seen[point.key]
+
+    return check

@@ -1,0 +1,25 @@
+"""Vision workloads: the ``cifar10`` task, ResNet-18 (CIFAR variant) on CIFAR-10.
+
+``TASK`` is what the ``muoneq.tasks`` entry point ``cifar10`` names; this module imports no
+Lightning (the builder does, when a run is built)."""
+
+from muoneq.suite.runtime.tasks import TaskSpec
+from muoneq_tasks.vision.config import Cifar10TaskConfig
+
+
+def build(cfg):
+    """The run's module and data module: :func:`muoneq_tasks.vision.cifar10.build`."""
+    from muoneq_tasks.vision.cifar10 import build
+
+    return build(cfg)
+
+
+def metrics(cfg) -> tuple[str, ...]:
+    """What :class:`muoneq_tasks.vision.cifar10.Cifar10Module` adds to ``metrics.json``: training
+    and test loss and accuracy, and the validation ones with a validation split."""
+    validation = ("val/acc", "val/loss") if cfg.task.data.val_size > 0 else ()
+    return ("train/loss", "train/acc", "test/acc", "test/loss", "best_val_acc", *validation)
+
+
+TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
+                metrics)
