@@ -1,16 +1,16 @@
 """A run folder's record: ``config.yaml`` (what ran, and who ran it) and the checks that keep it
 true when a run is continued.
 
-``config.yaml`` holds the fully resolved config and a ``provenance`` section: the package
-version, git commit, command line, host and library versions of the session that started the
-run, its ``fingerprint`` (a hash of every key that can change the result, see
+``config.yaml`` holds the fully resolved config and a ``provenance`` section: the package version,
+git commit, command line, host and library versions of the session that started the run, its
+``fingerprint`` (a hash of every key that can change the result, see
 :data:`muoneq.suite.runtime.config.NON_RESULT_KEYS`), the number of processes (``world_size``), and
-one entry in ``resumed`` per later session (with any non-result keys it changed). It is written
-when a run starts and is never rewritten with settings the run did not use: a session whose
-config differs in a key that can change the result is refused before it touches the folder
+one entry in ``resumed`` per later session (with any non-result keys it changed). It is written when
+a run starts and is never rewritten with settings the run did not use: a session whose config
+differs in a key that can change the result is refused before it touches the folder
 (:func:`check_same_run`). A key the run's ``config.yaml`` lacks (the run is older than the key)
-counts as equal when it is at its schema default now: a key is only ever added with a default
-that keeps the behaviour runs had before it existed.
+counts as equal when it is at its schema default now: a key is only ever added with a default that
+keeps the behaviour runs had before it existed.
 """
 
 from __future__ import annotations
