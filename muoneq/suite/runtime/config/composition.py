@@ -27,10 +27,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from muoneq.suite.runtime.config.errors import ConfigError, config_error
-from muoneq.suite.runtime.config.files import GROUPS, conf_dir, group_file, load_yaml
+from muoneq.suite.runtime.config.config_error import ConfigError, config_error
 from muoneq.suite.runtime.config.identity import default_run_name
 from muoneq.suite.runtime.config.schema import RunConfig
+from muoneq.suite.runtime.config.sources import GROUPS, conf_dir, group_file, load_yaml
 from muoneq.suite.runtime.optim import check_optimizer_config, optimizer_schema
 from muoneq.suite.runtime.tasks import task_config
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from muoneq.suite.runtime.config.files import GROUPS
+from muoneq.suite.runtime.config.sources import GROUPS
 
 #: Keys (or sections, ending in ".") of a run config that cannot change what a run computes:
 #: where it is written, how progress is shown, how often it logs and checkpoints (resume is

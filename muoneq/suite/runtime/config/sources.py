@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from muoneq.suite.folders import suite_folder
-from muoneq.suite.runtime.config.errors import ConfigError
+from muoneq.suite.runtime.config.config_error import ConfigError
 
 #: The config groups: ``<group>=<choice>`` on the command line selects
 #: ``conf/<group>/<choice>.yaml``.
