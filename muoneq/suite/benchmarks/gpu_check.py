@@ -67,13 +67,13 @@ from muoneq.suite.benchmarks.bench_step import device_label, device_name, sig3
 from muoneq.suite.benchmarks.bench_step import main as bench_main
 from muoneq.suite.benchmarks.bench_step import table as bench_table
 from muoneq.suite.files import atomic_write, slug
+from muoneq.suite.folders import CHECKOUT
 from muoneq.suite.runtime import compose, train
 from muoneq.suite.runtime.accelerators import synchronize
 from muoneq.suite.runtime.record import session
 from muoneq_tasks.language.module import device_peak_tflops
 from muoneq_tasks.language.shards import shard_name, write_shard
 
-REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path("benchmarks/results")
 
 #: Vocabulary of the recipes' tokenizers (synthetic tokens are drawn below it; no tokenizer
@@ -252,14 +252,14 @@ def finite(metrics: dict, key: str) -> float:
 # ----------------------------------------------------------------------------- parts
 def part_tests(check: Check) -> dict:
     """``pytest -m gpu`` over the test suite of this checkout, counted from its JUnit report."""
-    tests = REPO / "tests"
+    tests = CHECKOUT / "tests"
     if not tests.is_dir():
         return {"status": "skipped", "reason": f"no test suite at {tests} (a source checkout "
                 "installed with pip install -e has one)"}
     report = check.work / "gpu-tests.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                f"--junitxml={report}", str(tests)]
-    code = subprocess.run(command, cwd=REPO).returncode
+    code = subprocess.run(command, cwd=CHECKOUT).returncode
     if not report.is_file():
         raise RuntimeError(f"pytest exited with {code} and wrote no report")
     suites = ET.parse(report).getroot()
