@@ -21,10 +21,10 @@ the results are written again after every part (a kill loses no finished part):
 
 Training parts go through :func:`muoneq.suite.runtime.train` with the recipes' configs, so they run
 what ``muoneq train`` runs. On CUDA they train in ``bf16-mixed`` and MFU is against the
-device's dense bf16 datasheet peak (``PEAK_TFLOPS`` of the language task) or, for a GPU not
-listed there, against a bf16 matmul rate measured here. On a CPU they train in ``32-true``
-(bf16 matmuls are an order of magnitude slower than float32 on many CPUs) and MFU is against a
-float32 matmul rate measured here; the results say which.
+device's dense bf16 datasheet peak (:data:`muoneq.suite.runtime.accelerators.PEAK_TFLOPS`) or,
+for a GPU not listed there, against a bf16 matmul rate measured here. On a CPU they train in
+``32-true`` (bf16 matmuls are an order of magnitude slower than float32 on many CPUs) and MFU is
+against a float32 matmul rate measured here; the results say which.
 
 ``--quick`` shrinks every part to a miniature (tiny models, short sequences, the bench's
 quick sets, no ``torch.compile``): its figures are smoke values, used by the test suite
@@ -69,9 +69,8 @@ from muoneq.suite.benchmarks.bench_step import table as bench_table
 from muoneq.suite.files import atomic_write, slug
 from muoneq.suite.folders import CHECKOUT
 from muoneq.suite.runtime import compose, train
-from muoneq.suite.runtime.accelerators import synchronize
+from muoneq.suite.runtime.accelerators import device_peak_tflops, synchronize
 from muoneq.suite.runtime.record import session
-from muoneq_tasks.language.module import device_peak_tflops
 from muoneq_tasks.language.shards import shard_name, write_shard
 
 RESULTS_DIR = Path("benchmarks/results")

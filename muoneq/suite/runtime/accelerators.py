@@ -119,3 +119,20 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
     if (module := _device_module(device)) is not None:
         return float(module.max_memory_allocated(device)), "device_allocated"
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0, "host_rss"
+
+
+#: Dense bf16 peak TFLOP/s per device (vendor datasheets), by a substring of the CUDA device
+#: name, most specific first: what MFU is measured against (other devices need the task's own
+#: peak, e.g. ``task.peak_tflops`` of the language task).
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H800", 989.4), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+)
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 peak of ``device`` from :data:`PEAK_TFLOPS`, or ``None`` if unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)

@@ -29,9 +29,15 @@ class StepStats(L.Callback):
     outside). The first step of every session (warm-up, cudnn autotuning, compilation) is not
     counted. Totals are kept in checkpoints, so a resumed run reports figures for all of its
     training, not just the last session.
+
+    Every figure is read from :attr:`device`, the device training started on: after ``fit``,
+    Lightning's teardown has moved the module back to the CPU, so that its ``device`` would
+    report host memory for a GPU run.
     """
 
     def __init__(self) -> None:
+        #: the device this session trains on, captured when training starts (None: not yet)
+        self.device: torch.device | None = None
         self.step_times: list[float] = []  # this session's counted steps
         self.previous = {"steps": 0, "seconds": 0.0, "train_seconds": 0.0}
         self._step_start: float | None = None
@@ -41,36 +47,38 @@ class StepStats(L.Callback):
 
     # ------------------------------------------------------------------ timing
     def on_train_start(self, trainer, pl_module) -> None:
-        reset_peak_memory(pl_module.device)
+        self.device = pl_module.device
+        reset_peak_memory(self.device)
         self._train_start = time.perf_counter()
         self._session_first_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._step_start is None:  # first micro-batch of an optimizer step
-            synchronize(pl_module.device)
+            synchronize(self.device)
             self._step_start = time.perf_counter()
             self._step_at_start = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._step_start is None or trainer.global_step == self._step_at_start:
             return  # more micro-batches to accumulate before the optimizer steps
-        synchronize(pl_module.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - self._step_start
         self._step_start = None
         if self._step_at_start > self._session_first_step:
             self.step_times.append(elapsed)
-        peak, _ = peak_memory(pl_module.device)
+        peak, _ = peak_memory(self.device)
         pl_module.log_dict(
             {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
             on_step=True, on_epoch=False, rank_zero_only=True,
         )
 
     # ------------------------------------------------------------------ results
-    def summary(self, device) -> dict:
-        """Mean and median step time, peak memory and training wall-clock of the whole run."""
+    def summary(self) -> dict:
+        """Mean and median step time, peak memory (of :attr:`device`; the process's on a
+        session that trained nothing) and training wall-clock of the whole run."""
         steps = self.previous["steps"] + len(self.step_times)
         seconds = self.previous["seconds"] + sum(self.step_times)
-        peak, kind = peak_memory(device)
+        peak, kind = peak_memory(self.device or torch.device("cpu"))
         return {
             "step_time_s": seconds / steps if steps else math.nan,
             "step_time_median_s": (

@@ -339,7 +339,7 @@ def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, s
         "monitor": module.monitor,
         "monitor_mode": module.monitor_mode if module.monitor else None,
         **figures,
-        **_callback(trainer, StepStats).summary(module.device),
+        **_callback(trainer, StepStats).summary(),
         "wall_clock_s": time.perf_counter() - started,
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,

@@ -8,24 +8,10 @@ import time
 import torch
 
 from muoneq.suite.runtime import TaskModule
+from muoneq.suite.runtime.accelerators import device_peak_tflops
 from muoneq.suite.runtime.callbacks import StepStats
 from muoneq_tasks.language.base import CausalLM, lm_loss
 from muoneq_tasks.language.data import perplexity
-
-#: Dense bf16 peak TFLOP/s per device (vendor datasheets), by a substring of the CUDA device
-#: name, most specific first; other devices need ``task.peak_tflops`` for MFU.
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("H800", 989.4), ("H20", 148.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-)
-
-
-def device_peak_tflops(device: torch.device) -> float | None:
-    """The dense bf16 peak of ``device`` from :data:`PEAK_TFLOPS`, or ``None`` if unknown."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 
 class LanguageModule(TaskModule):
@@ -116,9 +102,10 @@ class LanguageModule(TaskModule):
             metrics["perf/mfu"] = mfu
         self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
-    def mfu(self, tokens_per_s: float) -> float | None:
-        """Model FLOPs utilization of all processes at ``tokens_per_s`` (None: peak unknown)."""
-        peak = self.peak_tflops or device_peak_tflops(self.device)
+    def mfu(self, tokens_per_s: float, device: torch.device | None = None) -> float | None:
+        """Model FLOPs utilization of all processes at ``tokens_per_s`` on ``device`` (default:
+        the module's; None: peak unknown)."""
+        peak = self.peak_tflops or device_peak_tflops(device or self.device)
         if peak is None:
             return None
         return self.flops_per_token * tokens_per_s / (peak * 1e12 * self.trainer.world_size)
@@ -153,8 +140,9 @@ class LanguageModule(TaskModule):
         self.best_val_loss = checkpoint.get("language", {}).get("best_val_loss", math.inf)
 
     def final_metrics(self) -> dict:
+        # the device training ran on: by now the module is back on the CPU
         stats = next(cb for cb in self.trainer.callbacks if isinstance(cb, StepStats))
-        step_time = stats.summary(self.device)["step_time_s"]
+        step_time = stats.summary()["step_time_s"]
         tokens_per_s = self.tokens_per_step / step_time if step_time == step_time else None
         best = self.best_val_loss
         return {
@@ -164,7 +152,7 @@ class LanguageModule(TaskModule):
             "tokens_per_step": self.tokens_per_step,
             "flops_per_token": self.flops_per_token,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.mfu(tokens_per_s) if tokens_per_s else None,
+            "mfu": self.mfu(tokens_per_s, stats.device) if tokens_per_s else None,
             "best_val_loss": best if math.isfinite(best) else None,
             "best_val_ppl": perplexity(best) if math.isfinite(best) else None,
         }
