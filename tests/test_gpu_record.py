@@ -5,13 +5,17 @@ the commit a run names is its own checkout's or the one the user passed."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-from muoneq.suite.runtime import compose, train
+from muoneq.suite.runtime import compose, record, train
 from tests.helpers.runtime import tiny_language
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +61,48 @@ def test_final_metrics_of_a_cuda_run_read_the_device_it_trained_on(tmp_path, stu
     assert written["mfu"] == pytest.approx(
         written["flops_per_token"] * written["tokens_per_s"] / 989.4e12)
     assert metrics["mfu"] == written["mfu"] and written["mfu"] > 0
+
+
+def provenance(package_root: Path, **env) -> dict:
+    """The commit and dirty flag ``muoneq`` records when imported from ``package_root``."""
+    code = ("import json; from muoneq.suite.runtime import record; "
+            "print(json.dumps([record.git_commit(), record.git_dirty()]))")
+    environment = {k: v for k, v in os.environ.items() if k != record.COMMIT_ENV}
+    done = subprocess.run([sys.executable, "-c", code], cwd=package_root, text=True,
+                          capture_output=True, timeout=300,
+                          env={**environment, "PYTHONPATH": str(package_root), **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    commit, dirty = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"commit": commit, "dirty": dirty}
+
+
+def git(folder: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=folder, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_commit_is_the_checkouts_own_or_the_one_passed(tmp_path):
+    """A copy of the checkout inside another git repository (a lent machine's working tree)
+    names no commit of that repository; MUONEQ_GIT_COMMIT, when given, wins."""
+    outer = tmp_path / "outer"
+    copy = outer / "work" / "muoneq-copy"
+    shutil.copytree(ROOT / "muoneq", copy / "muoneq",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    git(outer, "init", "-q")
+    git(outer, "add", "-A")
+    git(outer, "commit", "-qm", "another project")
+    assert provenance(copy) == {"commit": None, "dirty": None}
+    given = "43ad865" + "0" * 33
+    assert provenance(copy, **{record.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
+
+    # a checkout of its own: its HEAD, and whether its tracked files changed
+    git(copy, "init", "-q")
+    git(copy, "add", "-A")
+    git(copy, "commit", "-qm", "the checkout")
+    head = git(copy, "rev-parse", "HEAD")
+    assert provenance(copy) == {"commit": head, "dirty": False}
+    with (copy / "muoneq" / "suite" / "folders.py").open("a") as tracked:
+        tracked.write("# changed\n")
+    assert provenance(copy) == {"commit": head, "dirty": True}
+    assert provenance(copy, **{record.COMMIT_ENV: given}) == {"commit": given, "dirty": None}

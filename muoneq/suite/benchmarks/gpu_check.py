@@ -35,8 +35,9 @@ Output: ``<out>/<device-slug>.json`` (``<device-slug>-quick.json`` with ``--quic
 part keeps its one-line error and traceback there, a part cut short by a kill stays
 ``started``) and a Markdown summary beside it. Parts not run this time (``--parts``) are kept
 from an earlier file of the same name, each with its own date and commit, so a check split over
-two machine sessions ends in one file. A copy of the checkout without ``.git`` (a lent machine)
-takes its commit from ``$MUONEQ_GIT_COMMIT``.
+two machine sessions ends in one file. The commit recorded is ``$MUONEQ_GIT_COMMIT`` when set,
+else that of the checkout this code lies in, if it is a git checkout of its own
+(:func:`muoneq.suite.runtime.record.git_commit`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import datetime
 import gc
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -645,8 +645,6 @@ def main(argv: list[str] | None = None) -> int:
     kept = earlier_parts(path, name, args.quick, parts)
     copy_to = Path(args.copy_to) if args.copy_to else None
     base = session()
-    # a copy of the checkout without .git (a lent machine) names its commit in the environment
-    base["git_commit"] = base["git_commit"] or os.environ.get("MUONEQ_GIT_COMMIT")
     record = {
         "device": name, "device_slug": device_slug(name), "device_type": device.type,
         "device_label": device_label(device), "quick": args.quick,

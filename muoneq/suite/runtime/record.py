@@ -20,6 +20,7 @@ import datetime
 import enum
 import hashlib
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 import muoneq
 from muoneq.suite.errors import UserError
 from muoneq.suite.files import atomic_write
+from muoneq.suite.folders import CHECKOUT
 from muoneq.suite.runtime.config import is_result_key
 
 CONFIG_FILE = "config.yaml"
@@ -180,19 +182,44 @@ def check_same_run(run_dir: Path, record: dict, cfg: DictConfig, *, finished: bo
 
 
 # --------------------------------------------------------------------------- writing
+#: The environment variable naming the commit a run records; set, it wins over git (a copy of
+#: the checkout without its ``.git``, e.g. on a lent machine, knows its commit only this way).
+COMMIT_ENV = "MUONEQ_GIT_COMMIT"
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", *args], cwd=Path(muoneq.__file__).parent, capture_output=True, text=True,
-            timeout=10, check=True,
+            ["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=10, check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
 
 
+def _own_git(*args: str) -> str | None:
+    """git's answer for the checkout this code lies in, or None when it lies in none of its
+    own: an installed wheel, a copy without ``.git``, or a copy inside another repository (whose
+    commit is not this code's: git's top level must be the checkout's root)."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != CHECKOUT.resolve():
+        return None
+    return _git(*args)
+
+
 def git_commit() -> str | None:
-    return _git("rev-parse", "HEAD")
+    """The commit of the code that runs: ``$MUONEQ_GIT_COMMIT`` when set, else the HEAD of the
+    checkout it lies in (None: neither)."""
+    return os.environ.get(COMMIT_ENV) or _own_git("rev-parse", "HEAD")
+
+
+def git_dirty() -> bool | None:
+    """Whether the checkout's tracked files differ from its HEAD (None: unknown, e.g. the commit
+    came from ``$MUONEQ_GIT_COMMIT``)."""
+    if os.environ.get(COMMIT_ENV):
+        return None
+    status = _own_git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
 
 
 def session(argv: list[str] | None = None, resolved: dict | None = None) -> dict:
@@ -201,11 +228,10 @@ def session(argv: list[str] | None = None, resolved: dict | None = None) -> dict
     ``ns_dtype`` Newton–Schulz ran in)."""
     import lightning
 
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "muoneq_version": muoneq.__version__,
         "git_commit": git_commit(),
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": git_dirty(),
         "command": " ".join(["muoneq", "train", *argv]) if argv is not None else " ".join(sys.argv),
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
