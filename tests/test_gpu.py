@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from muoneq import MuonEq, newton_schulz
+from muoneq import MuonEq
+from tests.helpers.gpu import ns5_errors
 from tests.helpers.layout import CASES, run_separate, run_stored
 
 pytestmark = pytest.mark.gpu
@@ -53,15 +54,9 @@ def test_mode_none_per_matrix_is_torch_muon_on_cuda(nesterov):
 
 
 def test_bf16_newton_schulz_on_cuda_is_as_accurate_as_on_cpu():
-    G = torch.randn(256, 1024, dtype=torch.float64)
-    exact = newton_schulz(G, 5, dtype=torch.float64)
-
-    def error(device, algorithm):
-        X = newton_schulz(G.float().to(device), 5, algorithm=algorithm).double().cpu()
-        return ((X - exact).norm() / exact.norm()).item()
-
+    errors = ns5_errors("cuda")  # both sides in bf16, the GPU's default (CPU's: float32)
     for algorithm in ("standard", "gram"):
-        assert error("cuda", algorithm) <= 1.5 * error("cpu", "standard")
+        assert errors[algorithm] <= 1.5 * errors["cpu"]
 
 
 def test_benchmark_records_the_gpu(tmp_path):

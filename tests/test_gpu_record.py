@@ -1,6 +1,7 @@
-"""What a GPU run records, checked on a CPU: the final figures come from the device the run
-trained on (Lightning's teardown moves the module back to the CPU before they are read), and
-the commit a run names is its own checkout's or the one the user passed."""
+"""What a GPU run records and what the GPU tests compare, checked on a CPU: the final figures
+come from the device the run trained on (Lightning's teardown moves the module back to the CPU
+before they are read), the commit a run names is its own checkout's or the one the user passed,
+and the GPU tests' accuracy reference runs in the GPU's dtype."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from muoneq.suite.runtime import compose, record, train
+from tests.helpers.gpu import GPU_NS_DTYPE, ns5_errors
 from tests.helpers.runtime import tiny_language
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,3 +108,14 @@ def test_the_commit_is_the_checkouts_own_or_the_one_passed(tmp_path):
         tracked.write("# changed\n")
     assert provenance(copy) == {"commit": head, "dirty": True}
     assert provenance(copy, **{record.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
+
+
+def test_the_gpu_tests_accuracy_reference_runs_in_the_gpus_dtype():
+    """The comparison of ``test_gpu.py``'s bf16 accuracy test, with the CPU standing in for the
+    GPU: the reference is the same computation (same dtype) as the device's standard order, so
+    the test compares like with like, and the Gram order is within its 1.5× there too."""
+    errors = ns5_errors("cpu")
+    assert GPU_NS_DTYPE == torch.bfloat16
+    assert errors["cpu"] == errors["standard"]
+    assert 1e-3 < errors["cpu"] < 5e-2  # bf16's rounding, not float32's (~1e-5)
+    assert errors["gram"] <= 1.5 * errors["cpu"]
