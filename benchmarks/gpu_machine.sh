@@ -14,8 +14,8 @@
 # The image has Python 3.12, torch, torchvision, lightning, torchmetrics, tensorboard, tiktoken,
 # tokenizers, matplotlib, triton, numpy, PyYAML, tqdm, MarkupSafe, pytest, hypothesis, pyarrow,
 # setuptools and wheel; of the project's needs it lacks omegaconf and optuna with optuna's
-# alembic, SQLAlchemy, Mako and colorlog. (`datasets` is left out: it only downloads corpora,
-# and the machine reaches no network.)
+# alembic, SQLAlchemy, Mako and colorlog. (`datasets` is left out: only `muoneq data`'s Hub
+# sources use it, the machine reaches no network, and the GPU tests tokenize a local file.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

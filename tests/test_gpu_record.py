@@ -119,3 +119,12 @@ def test_the_gpu_tests_accuracy_reference_runs_in_the_gpus_dtype():
     assert errors["cpu"] == errors["standard"]
     assert 1e-3 < errors["cpu"] < 5e-2  # bf16's rounding, not float32's (~1e-5)
     assert errors["gram"] <= 1.5 * errors["cpu"]
+
+
+def test_the_gpu_tests_language_data_needs_no_datasets(tmp_path, monkeypatch):
+    """The shards ``test_gpu.py``'s language run trains on, made where ``datasets`` is missing
+    (a GPU machine that reaches no registry has none)."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets: ModuleNotFoundError
+    overrides = tiny_language(tmp_path)
+    assert f"task.data.dir={tmp_path / 'shards'}" in overrides
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.bin"))[-1] == "data_val_000000.bin"

@@ -1,10 +1,15 @@
 """`muoneq data`: every file format, validation carve-out, parallel workers, resume, errors."""
 
+import gzip
 import json
+import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+import muoneq_tasks.language.local_files as prepare_files
 import muoneq_tasks.language.prepare as prepare
 from muoneq.suite.cli import main as cli
 from muoneq_tasks.language.shards import find_shards, open_shard
@@ -30,7 +35,10 @@ def run(out, source, *extra, tokens=None, val_tokens=300, shard_tokens=1000, wor
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_format_gives_the_documents_in_order(tmp_path, fmt):
+def test_each_format_gives_the_documents_in_order(tmp_path, fmt, monkeypatch):
+    """Local files never import ``datasets`` (only the Hub sources need it; a GPU machine
+    without a registry has none)."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets: ModuleNotFoundError
     docs = make_documents(120)
     path = write_corpus(tmp_path, fmt, docs)
     assert run(tmp_path / "out", [path]) == 0
@@ -161,6 +169,46 @@ def test_errors(tmp_path, capsys):
     assert prepare.parse_count("10.5B") == 10_500_000_000
     assert prepare.parse_count("10_485_760") == 10_485_760
     assert prepare.parse_count("1e6") == 1_000_000
+
+
+TRICKY_TEXT = ("First paragraph,\r\nline two.\r\n\r\nSecond\n\n\nthird after three newlines\n"
+               "\n\n\n\nafter four\rold mac line\n\n  \n\nspaces-only paragraph above\n\n"
+               "ünïcödé ✓\n\n")
+
+
+def tricky_corpora(folder):
+    """(files, format, sample_by) in every shape the local reader handles: universal newlines,
+    runs of blank lines, a trailing blank line, gzip, a JSON array, blank JSON lines, several
+    parquet row groups, two files in order."""
+    (folder / "a.txt").write_bytes(TRICKY_TEXT.encode())
+    (folder / "b.txt").write_text("last file\nno final newline")
+    with gzip.open(folder / "c.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(TRICKY_TEXT)
+    (folder / "d.jsonl").write_text(
+        '{"text": "one", "n": 1}\n\n{"text": "two\\n\\nlines", "n": 2}\n')
+    (folder / "e.json").write_text('[{"text": "array one"},\n {"text": "array two"}]\n')
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(50)]}), folder / "f.parquet",
+                   row_group_size=7)
+    texts = [str(folder / n) for n in ("a.txt", "b.txt")]
+    cases = [(texts, "text", by) for by in ("paragraph", "line", "document")]
+    cases += [([str(folder / "c.txt.gz")], "text", "paragraph"),
+              ([str(folder / "d.jsonl"), str(folder / "e.json")], "json", "paragraph"),
+              ([str(folder / "f.parquet")], "parquet", "paragraph")]
+    return cases
+
+
+def test_local_files_give_the_documents_datasets_gives(tmp_path, monkeypatch):
+    """The reference: ``datasets``' own builders, streaming the same files."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(prepare_files, "CHUNK_CHARS", 5)  # paragraphs across chunk boundaries
+    for files, fmt, sample_by in tricky_corpora(tmp_path):
+        source = prepare.Source(fmt, data_files=tuple(files), text_sample_by=sample_by)
+        extra = {"sample_by": sample_by, "keep_linebreaks": True} if fmt == "text" else {}
+        stream = datasets.load_dataset(fmt, data_files=files, split="train", streaming=True,
+                                       **extra)
+        expected = [row["text"] for row in stream]
+        assert list(source.documents()) == expected, (fmt, sample_by)
+        assert list(source.documents(skip=3)) == expected[3:]
 
 
 def test_hub_presets_stream_through_datasets(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """``muoneq data``: tokenize a corpus once into train/validation token shards.
 
-Sources go through one code path, Hugging Face ``datasets`` in streaming mode:
+Hub sources stream through Hugging Face ``datasets``; local files are read by
+:mod:`.local_files`, which gives the same documents without importing ``datasets``:
 
 * ``fineweb``: ``HuggingFaceFW/fineweb``, config ``sample-100BT`` (any sample config with
   ``--hf-config``); it has no validation split, so the first documents of the stream, just
@@ -38,6 +39,13 @@ from tqdm.auto import tqdm
 
 from muoneq.suite.errors import UserError
 from muoneq.suite.files import atomic_write
+from muoneq_tasks.language.local_files import (
+    FILE_FORMATS,
+    TEXT_SAMPLE_BY,
+    file_format,
+    missing_column,
+    read_documents,
+)
 from muoneq_tasks.language.shards import ShardError, read_header, shard_name, write_shard
 from muoneq_tasks.language.tokenizer import load_tokenizer
 
@@ -46,21 +54,14 @@ PRESETS = {
     "fineweb": ("HuggingFaceFW/fineweb", "sample-100BT", "train", None),
     "c4": ("allenai/c4", "en", "train", "validation"),
 }
-#: Local file suffix → ``datasets`` builder.
-FILE_BUILDERS = {
-    ".jsonl": "json", ".json": "json", ".ndjson": "json",
-    ".jsonl.gz": "json", ".json.gz": "json", ".ndjson.gz": "json",
-    ".parquet": "parquet",
-    ".txt": "text", ".text": "text", ".txt.gz": "text",
-}
-TEXT_SAMPLE_BY = ("paragraph", "line", "document")
 PROGRESS_FILE = "prepare.json"
 DEFAULT_VAL_TOKENS = 10_485_760
 
 
 @dataclass(frozen=True)
 class Source:
-    """A stream of documents: a Hub dataset (``builder`` = repository) or local files."""
+    """A stream of documents: a Hub dataset (``builder`` = repository) or local files
+    (``builder`` = their format, :data:`.local_files.FILE_FORMATS`)."""
 
     builder: str
     config: str | None = None
@@ -71,22 +72,22 @@ class Source:
 
     def documents(self, skip: int = 0) -> Iterator[str]:
         """The documents' texts in a fixed order, from the ``skip``-th on."""
-        import datasets  # imported here: heavy, and only preparation needs it
-
-        kwargs = {"streaming": True, "split": self.split}
         if self.data_files:
-            kwargs["data_files"] = list(self.data_files)
-            if self.builder == "text":
-                kwargs.update(sample_by=self.text_sample_by, keep_linebreaks=True)
-        stream = datasets.load_dataset(self.builder, self.config, **kwargs)
+            texts = read_documents(self.data_files, self.builder, self.text_field,
+                                   self.text_sample_by)
+            return islice(texts, skip, None)
+        return self._hub_documents(skip)
+
+    def _hub_documents(self, skip: int) -> Iterator[str]:
+        import datasets  # imported here: heavy, and only the Hub sources need it
+
+        stream = datasets.load_dataset(self.builder, self.config, streaming=True,
+                                       split=self.split)
         if skip:
             stream = stream.skip(skip)
         for row in stream:
             if self.text_field not in row:
-                raise KeyError(
-                    f"{self.describe()}: no column {self.text_field!r}; columns: "
-                    f"{', '.join(row)} (choose one with --text-field)"
-                )
+                raise missing_column(self.describe(), self.text_field, row)
             yield row[self.text_field]
 
     def describe(self) -> str:
@@ -103,20 +104,18 @@ def local_source(patterns: Iterable[str], text_field: str, text_sample_by: str) 
         if not matches:
             raise FileNotFoundError(f"--source: no file matches {pattern!r}")
         files.extend(os.path.abspath(m) for m in matches)
-    builders = set()
+    formats = set()
     for f in files:
-        suffix = next((s for s in sorted(FILE_BUILDERS, key=len, reverse=True) if f.endswith(s)),
-                      None)
-        if suffix is None:
+        if (fmt := file_format(f)) is None:
             raise ValueError(f"--source: cannot tell the format of {f}; "
-                             f"allowed suffixes: {', '.join(FILE_BUILDERS)}")
-        builders.add(FILE_BUILDERS[suffix])
-    if len(builders) > 1:
-        raise ValueError(f"--source: mixes formats {sorted(builders)}; give one format at a time")
+                             f"allowed suffixes: {', '.join(FILE_FORMATS)}")
+        formats.add(fmt)
+    if len(formats) > 1:
+        raise ValueError(f"--source: mixes formats {sorted(formats)}; give one format at a time")
     if text_sample_by not in TEXT_SAMPLE_BY:
         raise ValueError(f"--text-sample-by: {text_sample_by!r}; "
                          f"allowed: {', '.join(TEXT_SAMPLE_BY)}")
-    return Source(builders.pop(), data_files=tuple(files), text_field=text_field,
+    return Source(formats.pop(), data_files=tuple(files), text_field=text_field,
                   text_sample_by=text_sample_by)
 
 
