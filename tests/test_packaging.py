@@ -116,6 +116,25 @@ def test_the_library_never_imports_the_suite():
         assert "import_module(" not in text and "__import__(" not in text, path
 
 
+def test_the_suite_reaches_the_workloads_through_the_task_registry():
+    """The import rule's other direction: no module of muoneq/suite/ imports a workload
+    (``muoneq_tasks``), by an import statement or by a module path it imports at run time; it
+    reaches them by task name (``muoneq.suite.runtime.tasks``: a task's builder, its synthetic
+    data, the commands it brings), as it reaches a third-party task."""
+    suite = sorted((ROOT / "muoneq" / "suite").rglob("*.py"))
+    assert len(suite) >= 40
+    module_path = re.compile(r"muoneq_tasks(\.\w+)*(:\w+)?")
+    for path in suite:
+        tree = ast.parse(path.read_text(), str(path))
+        for name in imported_modules(path):
+            assert name.partition(".")[0] != "muoneq_tasks", \
+                f"{path.relative_to(ROOT)} imports {name}: reach it through the task registry"
+        named = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str) and module_path.fullmatch(node.value)]
+        assert not named, f"{path.relative_to(ROOT)} names {named}: reach it through the " \
+                          "task registry"
+
+
 def test_the_library_needs_no_suite_package():
     code = BLOCKER + textwrap.dedent("""
         import json
@@ -152,9 +171,11 @@ def test_a_suite_command_without_the_suite_names_the_extra():
     """)
     done = python(code)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert re.fullmatch(r"muoneq: train needs the module '(omegaconf|yaml)', which is not "
-                        r'installed; install the experiment suite: pip install "muoneq\[suite\]"\n',
-                        done.stderr), done.stderr
+    install = r'which is not installed; install the experiment suite: pip install "muoneq\[suite\]"'
+    assert re.fullmatch(  # --help, then train
+        rf"muoneq: note: the tasks' commands need the module '(omegaconf|yaml)', {install}\n"
+        rf"muoneq: train needs the module '(omegaconf|yaml)', {install}\n", done.stderr), \
+        done.stderr
     assert "usage: muoneq" in done.stdout
 
 
@@ -181,10 +202,11 @@ def test_the_suite_declares_its_tasks_as_entry_points():
 
 
 PLUGIN = '''
-"""A workload of another distribution: a config dataclass and a builder."""
+"""A workload of another distribution: a config dataclass, a builder and a command."""
 from dataclasses import dataclass, field
 
 from muoneq.suite.runtime import TaskSpec
+from muoneq.suite.runtime.tasks import TaskCommand
 
 
 @dataclass
@@ -207,7 +229,14 @@ def build(cfg):
     raise NotImplementedError("this test only composes configs")
 
 
-TASK = TaskSpec(ToyConfig, build, "a third-party toy task")
+TASK = TaskSpec(ToyConfig, build, "a third-party toy task",
+                commands={"toy-count": TaskCommand("toy_plugin.count", "count the arguments")})
+'''
+#: The module of the command the toy task brings.
+PLUGIN_COMMAND = '''
+def main(argv):
+    print(f"toy-count: {len(argv)} arguments")
+    return 3
 '''
 
 
@@ -219,6 +248,7 @@ def plugin(tmp_path, monkeypatch):
     site = tmp_path / "site"
     (site / "toy_plugin").mkdir(parents=True)
     (site / "toy_plugin" / "__init__.py").write_text(PLUGIN)
+    (site / "toy_plugin" / "count.py").write_text(PLUGIN_COMMAND)
     info = site / "toy_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
@@ -252,6 +282,16 @@ def test_a_third_party_task_is_found_through_its_entry_point(plugin, tmp_path):
     assert re.search(r"task:\n  name: toy\n  width: 5\n  data:\n    rows: 64\n", done.stdout)
     with pytest.raises(ConfigError, match="task.width: must be >= 1, got 0"):
         compose([f"task={tmp_path / 'toy.yaml'}", "trainer.max_steps=10", "task.width=0"])
+    # the command it brings is a `muoneq` command (the broken task's absence noted, not fatal)
+    done = subprocess.run([sys.executable, "-m", "muoneq", "toy-count", "a", "b"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env)
+    assert (done.returncode, done.stdout) == (3, "toy-count: 2 arguments\n"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "muoneq", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env)
+    assert "  toy-count  count the arguments\n" in done.stdout
+    assert "  data       tokenize a corpus" in done.stdout
+    assert "muoneq: note: task.name: task 'broken' (no_such_module:TASK) cannot be imported" \
+        in done.stderr
 
 
 def test_register_task_adds_a_workload_of_the_running_program():

@@ -1,7 +1,10 @@
 """The ``muoneq`` command (also ``python -m muoneq``): one sub-command per job.
 
 Sub-commands are imported lazily so that ``muoneq --help`` stays fast and a missing optional
-dependency of one job never breaks another. Each entry names a ``main(argv) -> int``.
+dependency of one job never breaks another. Each entry names a ``main(argv) -> int``. The
+suite's own are :data:`COMMANDS`; a task brings its own through the task registry
+(:attr:`muoneq.suite.runtime.tasks.TaskSpec.commands`, e.g. the language task's ``muoneq data``):
+the suite never imports a workload by name.
 
 The commands are the experiment suite's: without its packages (``pip install "muoneq[suite]"``)
 a command says so in one line, naming the missing module.
@@ -21,8 +24,6 @@ from muoneq.suite.errors import UserError, format_error
 
 #: What installs every command's dependencies (the library alone needs torch and numpy).
 SUITE_INSTALL = 'pip install "muoneq[suite]"'
-#: A missing module of these packages is a broken installation, not a missing extra.
-OWN_PACKAGES = ("muoneq", "muoneq_tasks")
 
 #: sub-command → (module, one-line description). Modules expose ``main(argv: list[str]) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,10 +38,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu-check": (
         "muoneq.suite.benchmarks.gpu_check",
         "check every GPU path and record it in benchmarks/results/<device>.json",
-    ),
-    "data": (
-        "muoneq_tasks.language.prepare",
-        "tokenize a corpus (FineWeb, C4, local files) into token shards",
     ),
     "spectra": (
         "muoneq.suite.spectra.cli",
@@ -61,24 +58,48 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def all_commands() -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """The suite's commands and those the tasks bring, name → (module, description), and a line
+    for each task that cannot be loaded."""
+    from muoneq.suite.runtime.tasks import task_commands
+
+    commands, broken = task_commands()
+    brought = {name: (c.module, c.description) for name, (_, c) in commands.items()}
+    if clash := sorted(brought.keys() & COMMANDS.keys()):
+        raise ValueError(f"a task brings the command(s) {clash}, which the suite has")
+    return {**COMMANDS, **brought}, broken
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("MUONEQ_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    commands, broken = COMMANDS, []
+    if not (argv and argv[0] in COMMANDS):  # the suite's own load no task
+        try:
+            commands, broken = all_commands()
+        except ModuleNotFoundError as err:  # without the suite, no task loads
+            broken = [f"the tasks' commands need the module {err.name!r}, which is not "
+                      f"installed; install the experiment suite: {SUITE_INSTALL}"]
+        except ValueError as err:
+            print(f"muoneq: {err}", file=sys.stderr)
+            return 2
+    notes = "".join(f"\nmuoneq: note: {line}" for line in broken)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print("usage: muoneq [--debug] <command> [args...]\n\ncommands:")
-        for name, (_, text) in sorted(COMMANDS.items()):
+        for name, (_, text) in sorted(commands.items()):
             print(f"  {name:<10} {text}")
+        if notes:
+            print(notes.lstrip("\n"), file=sys.stderr)
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(
-            f"muoneq: unknown command {name!r}; known: {', '.join(sorted(COMMANDS))}",
-            file=sys.stderr,
-        )
+    if name not in commands:
+        print(f"muoneq: unknown command {name!r}; known: {', '.join(sorted(commands))}{notes}",
+              file=sys.stderr)
         return 2
+    module = commands[name][0]
     try:
-        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+        return int(importlib.import_module(module).main(rest) or 0)
     except UserError as err:
         if debug:
             raise
@@ -87,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(format_error(err) + "\n")
         return err.exit_code
     except ModuleNotFoundError as err:
-        if debug or err.name is None or err.name.partition(".")[0] in OWN_PACKAGES:
+        # a module of this package or of the command's own is a broken installation
+        own = {"muoneq", module.partition(".")[0]}
+        if debug or err.name is None or err.name.partition(".")[0] in own:
             raise
         print(f"muoneq: {name} needs the module {err.name!r}, which is not installed; install "
               f"the experiment suite: {SUITE_INSTALL}", file=sys.stderr)

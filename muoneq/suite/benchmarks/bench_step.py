@@ -145,9 +145,10 @@ class Contender:
 
 
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
-    """torch.optim.Muon and our Muon (both bf16: the same algorithm, bit for bit), MuonEq's
-    modes and paths at the default ``ns_dtype="auto"`` (float32 on CPU, bf16 on accelerators),
-    MuonEq-R in the other dtype, and the authors' loop (bf16)."""
+    """torch.optim.Muon and our Muon (both bf16: the same algorithm; bit for bit on the
+    per-matrix path, the CPU default), MuonEq's modes and paths at the default
+    ``ns_dtype="auto"`` (float32 on CPU, bf16 on accelerators), MuonEq-R in the other dtype,
+    and the authors' loop (bf16)."""
     auto = dtype_name(resolve_dtype("auto", device))
     other_dtype = "bfloat16" if auto == "float32" else "float32"
 
@@ -183,7 +184,7 @@ def synchronize(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_native_stderr():
+def quiet_native_stderr():
     """Silence the profiler's native start/stop chatter (it writes to file descriptor 2)."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -207,7 +208,7 @@ def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
-    with tempfile.TemporaryDirectory() as folder, _quiet_native_stderr():
+    with tempfile.TemporaryDirectory() as folder, quiet_native_stderr():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
         trace = Path(folder) / "trace.json"
@@ -215,6 +216,30 @@ def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
         events = json.loads(trace.read_text())["traceEvents"]
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     return max([0, *totals])
+
+
+def operations(fn: Callable[[], None], device: torch.device) -> tuple[int, str]:
+    """``(count, what)``: the kernels one call of ``fn`` launches on a CUDA device (kernels,
+    copies and fills, from torch.profiler), or on a CPU the top-level aten operators it calls
+    (each operator once, not the operators it calls in turn)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    synchronize(device)
+    with quiet_native_stderr(), profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    events = prof.events()
+    if cuda:
+        return sum(e.device_type == DeviceType.CUDA for e in events), "CUDA kernels"
+
+    def aten(event) -> bool:
+        return event is not None and event.name.startswith("aten::")
+
+    count = sum(aten(e) and not aten(e.cpu_parent) for e in events)
+    return count, "top-level CPU operator calls"
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

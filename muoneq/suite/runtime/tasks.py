@@ -20,12 +20,22 @@ language run never imports torchvision.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 #: The entry-point group tasks are declared in.
 ENTRY_POINT_GROUP = "muoneq.tasks"
+
+
+@dataclass(frozen=True)
+class TaskCommand:
+    """A ``muoneq <name>`` command a task brings (the language task's ``muoneq data``):
+    ``module`` exposes ``main(argv) -> int`` and is imported when the command runs."""
+
+    module: str
+    description: str
 
 
 @dataclass(frozen=True)
@@ -34,12 +44,19 @@ class TaskSpec:
     keys its runs add to ``metrics.json`` (``metrics(cfg)``, from the composed config: what its
     module logs and its ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the
     runtime's own). A sweep checks its objective against them before anything runs; None: not
-    declared, nothing is checked."""
+    declared, nothing is checked.
+
+    Optional: ``synthetic_data(cfg, folder)`` writes random inputs in the task's data format
+    into ``folder``, as many as the run ``cfg`` reads, and returns the overrides that point the
+    run at them (for throughput checks such as ``muoneq gpu-check``, never for results); and
+    ``commands``, the ``muoneq`` commands the task brings, by name."""
 
     config: type
     build: Callable[[Any], tuple[Any, Any]]
     description: str = ""
     metrics: Callable[[Any], Iterable[str]] | None = None
+    synthetic_data: Callable[[Any, Path], list[str]] | None = None
+    commands: dict[str, TaskCommand] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):
@@ -90,3 +107,23 @@ def get_task(name: str) -> TaskSpec:
 def task_config(name: str) -> type:
     """The config dataclass of task ``name`` (without importing the task's Lightning code)."""
     return get_task(name).config
+
+
+def task_commands() -> tuple[dict[str, tuple[str, TaskCommand]], list[str]]:
+    """The ``muoneq`` commands the tasks bring, name → (task, command), and a line for each task
+    that cannot be loaded (its commands are missing; the others' still work). ``ValueError``
+    when two tasks bring the same name."""
+    commands: dict[str, tuple[str, TaskCommand]] = {}
+    broken = []
+    for task in task_names():
+        try:
+            spec = get_task(task)
+        except (ValueError, TypeError) as err:
+            broken.append(str(err))
+            continue
+        for name, command in spec.commands.items():
+            if name in commands:
+                raise ValueError(f"tasks {commands[name][0]!r} and {task!r} both bring the "
+                                 f"command {name!r}")
+            commands[name] = (task, command)
+    return commands, broken

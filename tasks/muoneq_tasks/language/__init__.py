@@ -4,7 +4,7 @@
 ``TASK`` is what the ``muoneq.tasks`` entry point ``language`` names; this module imports no
 Lightning (the builder does, when a run is built)."""
 
-from muoneq.suite.runtime.tasks import TaskSpec
+from muoneq.suite.runtime.tasks import TaskCommand, TaskSpec
 from muoneq_tasks.language.config import LanguageTaskConfig
 
 
@@ -24,5 +24,17 @@ def metrics(cfg) -> tuple[str, ...]:
             "tokens_per_step", "flops_per_token", "tokens_per_s", "mfu")
 
 
-TASK = TaskSpec(LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: "
-                "validation perplexity", metrics)
+def synthetic_data(cfg, folder):
+    """Uniform random token shards for the run ``cfg``: :func:`.shards.write_synthetic`."""
+    from muoneq_tasks.language.shards import write_synthetic
+
+    return write_synthetic(cfg, folder)
+
+
+TASK = TaskSpec(
+    LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: validation "
+    "perplexity", metrics, synthetic_data,
+    commands={"data": TaskCommand(
+        "muoneq_tasks.language.prepare",
+        "tokenize a corpus (FineWeb, C4, local files) into token shards")},
+)

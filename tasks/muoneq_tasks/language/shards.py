@@ -56,6 +56,27 @@ def write_shard(path: str | Path, tokens) -> Path:
     return path
 
 
+def write_synthetic(cfg, folder: str | Path) -> list[str]:
+    """Uniform random token ids below ``task.data.vocab_size`` as one training shard, enough
+    for ``trainer.max_steps`` steps of the global batch (and one more), and one validation
+    shard of ``task.data.val_tokens``; the overrides that point the run ``cfg`` at them."""
+    data, steps = cfg.task.data, cfg.trainer.max_steps
+    if not data.vocab_size:
+        raise ValueError("task.data.vocab_size: set it to make synthetic tokens (no tokenizer "
+                         "is read for them)")
+    if steps is None or steps < 1:
+        raise ValueError(f"trainer.max_steps={steps}: synthetic tokens need a step budget")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    train = ((steps + 1) * data.batch_size + 1) * data.seq_len + 1
+    write_shard(folder / shard_name("synthetic", "train", 1),
+                rng.integers(0, data.vocab_size, train))
+    write_shard(folder / shard_name("synthetic", "val", 0),
+                rng.integers(0, data.vocab_size, data.val_tokens + 1))
+    return [f"task.data.dir={folder}"]
+
+
 def read_header(path: str | Path) -> int:
     """Validate the shard at ``path`` and return its token count (raises :class:`ShardError`)."""
     path = Path(path)

@@ -21,5 +21,12 @@ def metrics(cfg) -> tuple[str, ...]:
     return ("train/loss", "train/acc", "test/acc", "test/loss", "best_val_acc", *validation)
 
 
+def synthetic_data(cfg, folder):
+    """Random CIFAR-shaped images for the run ``cfg``: :func:`.cifar10_data.write_synthetic`."""
+    from muoneq_tasks.vision.cifar10_data import write_synthetic
+
+    return write_synthetic(cfg, folder)
+
+
 TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
-                metrics)
+                metrics, synthetic_data)

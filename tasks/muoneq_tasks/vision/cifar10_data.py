@@ -105,6 +105,29 @@ def load_npz(path: Path) -> Cifar10Arrays:
     return Cifar10Arrays(x_train, y_train, x_test, y_test)
 
 
+#: CIFAR-10's training and test images.
+TRAIN_IMAGES, TEST_IMAGES = 50_000, 10_000
+
+
+def write_synthetic(cfg, folder: str | Path) -> list[str]:
+    """Random uint8 images and labels with CIFAR-10's shapes, as ``<folder>/cifar10.npz``:
+    CIFAR-10's 50,000 training and 10,000 test images, or ``task.data.train_subset`` training
+    images and a fifth as many test images (CIFAR-10's ratio); the overrides that point the
+    run ``cfg`` at them."""
+    subset = cfg.task.data.train_subset
+    sizes = {"train": subset or TRAIN_IMAGES,
+             "test": max(1, subset // 5) if subset else TEST_IMAGES}
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, n in sizes.items():
+        arrays[f"x_{split}"] = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+        arrays[f"y_{split}"] = rng.integers(0, 10, n, dtype=np.int64)
+    path = Path(folder) / "cifar10.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+    return [f"task.data.root={path}"]
+
+
 def load_torchvision(root: Path, download: bool) -> Cifar10Arrays:
     from torchvision.datasets import CIFAR10
 
