@@ -2,7 +2,7 @@
 # The GPU check on a bare GPU machine that reaches no package registry (docs/performance.md "GPU check").
 #
 #   here:  make gpu-wheels                      # = PYTHON=.venv/bin/python gpu_machine.sh wheels
-#   there: bash benchmarks/gpu_machine.sh check [muoneq gpu-check flags]
+#   there: bash benchmarks/gpu_machine.sh check [muoneq gpu-check flags, e.g. --part-timeout 300]
 #
 # `wheels` downloads Python 3.12 x86-64 wheels of the packages the machines' image lacks, at
 # the versions installed in this checkout's .venv (the set the test suite ran), into .whl/.

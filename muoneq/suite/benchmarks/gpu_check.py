@@ -548,7 +548,8 @@ class Figure:
             return "—"
         if value <= self.bound if self.sense == "max" else value >= self.bound:
             return "met"
-        return f"missed by {abs(value / self.bound - 1):.0%}"
+        by = abs(value / self.bound - 1) * 100
+        return f"missed by {by:.0f}%" if by >= 1 else f"missed by {by:.1g}%"
 
 
 #: bench set → (its name in the summary, the target of MuonEq-R's step over torch.optim.Muon's)
@@ -627,6 +628,8 @@ def language_figures(part: dict, key: str) -> dict:
 
 
 def resnet_figures(part: dict) -> dict:
+    if "breakdown" not in part:  # kept from a results file older than the breakdown
+        return {"resnet18_cifar10_epoch_s": part["epoch_s"]}
     b = part["breakdown"]
     return {"resnet18_forward_backward_ms": b["forward_backward_ms"],
             "resnet18_optimizer_step_ms": b["optimizer_step_ms"],
@@ -702,13 +705,17 @@ def section_language(g: dict) -> list[str]:
 def section_resnet(r: dict) -> list[str]:
     if r["status"] != "ok":
         return []
-    s, b = r["settings"], r["breakdown"]
-    return [f"{s['train_images']:,} synthetic training images, batch {s['batch_size']}, "
-            f"{s['precision']}, channels-last, width {s['width']}: epoch {r['epoch_s']:.3g} s "
-            f"(training, then the test pass over {s['test_images']:,} images), "
-            f"{r['steps']} steps, median step {sig3(r['step_ms'])} ms, "
-            f"{r['train_images_per_s']:,.0f} training images/s, peak memory "
-            f"{r['peak_memory_gb']:.3g} GB.", "",
+    s = r["settings"]
+    epoch = [f"{s['train_images']:,} synthetic training images, batch {s['batch_size']}, "
+             f"{s['precision']}, channels-last, width {s['width']}: epoch {r['epoch_s']:.3g} s "
+             f"(training, then the test pass over {s['test_images']:,} images), "
+             f"{r['steps']} steps, median step {sig3(r['step_ms'])} ms, "
+             f"{r['train_images_per_s']:,.0f} training images/s, peak memory "
+             f"{r['peak_memory_gb']:.3g} GB."]
+    if "breakdown" not in r:  # kept from a results file older than the breakdown
+        return epoch
+    b = r["breakdown"]
+    return [*epoch, "",
             f"Where a step goes ({b['optimizer']}, one batch already on the device, medians of "
             f"{b['timed_calls']} after {b['warmup_calls']} warm-up calls): forward and backward "
             f"{sig3(b['forward_backward_ms'])} ms, `optimizer.step()` "
