@@ -60,7 +60,7 @@ bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/ste
 # The GPU check (docs/performance.md "GPU check"): on a lent GPU machine without a registry, carry the wheels
 # of `make gpu-wheels` (.whl/) and run `bash benchmarks/gpu_machine.sh check` there.
 .PHONY: gpu-check gpu-wheels
-gpu-check: $(STAMP) ## gpu tests, bench, GPT2/ResNet/LLaMA-FSDP2 runs -> benchmarks/results/<device>.json (DEVICE=cpu QUICK=1: smoke run; OUT=)
+gpu-check: $(STAMP) ## gpu tests, bench, GPT2/LLaMA2-130M/ResNet (step breakdown)/LLaMA-FSDP2 runs -> benchmarks/results/<device>.json (DEVICE=cpu QUICK=1: smoke run; OUT=)
 	$(PY) -m muoneq gpu-check $(if $(DEVICE),--device $(DEVICE)) $(if $(QUICK),--quick) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 gpu-wheels: $(STAMP) ## download the py3.12 wheels a bare GPU machine lacks (omegaconf, optuna, ...) -> .whl/
