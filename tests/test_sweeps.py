@@ -91,6 +91,8 @@ def test_points_are_the_union_of_blocks_with_seeds_apart(tmp_path):
     ({"report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}]}},
      ["report.heatmaps.y='optimizer.momentum' is not a search axis"]),
     ({"seeds": [0, 0]}, ["without repeats"]),
+    ({"seeds": [0, -1]}, ["seeds[1]=-1", "[0, 4294967295]"]),
+    ({"seeds": [2**32]}, ["seeds[0]=4294967296", "numpy's range"]),
 ])
 def test_sweep_file_errors_name_the_field(tmp_path, fields, words):
     path = write_sweep(tmp_path / "s.yaml", **fields)

@@ -347,6 +347,13 @@ def _check_study(spec: SweepSpec, source: str) -> None:
                          "'search' (TPE)")
     if not spec.seeds or len(set(spec.seeds)) != len(spec.seeds):
         raise SweepError(f"{source}: seeds={spec.seeds} must be a non-empty list without repeats")
+    from muoneq.suite.runtime.config.schema import check_seed
+
+    for i, seed in enumerate(spec.seeds):
+        try:
+            check_seed(seed, f"seeds[{i}]")
+        except ValueError as err:
+            raise SweepError(f"{source}: {err}") from None
     for i, word in enumerate(spec.overrides):
         if "=" not in word or word.startswith("="):
             raise SweepError(f"{source}: overrides[{i}]={word!r} is not of the form key=value")
