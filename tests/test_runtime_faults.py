@@ -156,6 +156,58 @@ def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tm
     assert json.loads((run / "metrics.json").read_text())["global_step"] == 4
 
 
+@pytest.mark.parametrize("content", ["", "0123abcd  last-step000000002.ckpt\n"],
+                         ids=["empty", "malformed"])
+def test_an_empty_or_malformed_checksum_file_is_a_damaged_checkpoint(reference, tmp_path, capsys,
+                                                                    content):
+    """A power cut during the checksum's write left it empty: the flipped bit it would have
+    caught loaded silently, and the run finished with wrong weights."""
+    data_dir, _ = reference
+    run = tmp_path / "run"
+    args = tiny(data_dir, "trainer.max_epochs=1", f"run.dir={run}",
+                "trainer.checkpoint_every_n_steps=2")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(3)])
+    two = run / "checkpoints" / "last-step000000002.ckpt"
+    flip_a_tensor_byte(two)
+    ckpts.checksum_path(two).write_text(content)
+    what = "empty" if not content else "malformed"
+    assert ckpts.damage(two).startswith(f"its checksum file {two.name}.sha256 is {what} (")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"muoneq: note: {two} is damaged (its checksum file" in out
+    assert "no intact checkpoint is left: the run starts over" in out
+    assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
+
+
+def test_the_checksum_is_on_the_disk_before_the_checkpoint_counts(tmp_path, monkeypatch):
+    """The checksum file is synced and renamed into place, and that rename synced, before the
+    checkpoint's own rename makes it a resume point."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "last-step000000001.ckpt"
+    ChecksummedCheckpointIO().save_checkpoint({"w": torch.ones(3)}, target)
+    sums = str(ckpts.checksum_path(target))
+    sums_synced = next(i for i, (kind, path) in enumerate(events)
+                       if kind == "fsync" and path.endswith(".tmp") and ".sha256." in path)
+    sums_renamed = events.index(("replace", sums))
+    folder_synced = events.index(("fsync", str(tmp_path)), sums_renamed)
+    assert sums_synced < sums_renamed < folder_synced < events.index(("replace", str(target)))
+    assert ckpts.damage(target) is None
+
+
 def test_checkpoint_io_writes_in_place_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
     io = ChecksummedCheckpointIO()
     target = tmp_path / "best.ckpt"

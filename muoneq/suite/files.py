@@ -57,7 +57,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
     one per process, so processes writing the same file at once never mix), renamed over
     ``path`` when the block ends without an error and deleted otherwise, so a kill or an error
     leaves the old file or the new one, whole. ``fsync``: the data reach the disk before the
-    rename (a power cut too keeps one whole file). A full disk raises
+    rename, and the rename before the block returns (a power cut too keeps one whole file).
+    A full disk raises
     :class:`~muoneq.suite.errors.DiskFull` naming ``path`` (``then``: see
     :func:`reporting_full_disk`). ``open_args`` go to :func:`open`
     (``newline=""`` for :mod:`csv`)."""
@@ -71,8 +72,22 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
+            if fsync:
+                _fsync_folder(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (its entry table on the disk)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:  # a file system that cannot sync a folder (some network ones)
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:

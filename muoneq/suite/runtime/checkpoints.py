@@ -34,7 +34,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from muoneq.suite.errors import UserError
-from muoneq.suite.files import atomic_open, atomic_write, reporting_full_disk
+from muoneq.suite.files import atomic_open, reporting_full_disk
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -44,6 +44,8 @@ BEST_NAME = "best"
 CHECKSUM_SUFFIX = ".sha256"
 DAMAGED_SUFFIX = ".damaged"
 _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
+#: A line of a ``.sha256`` file (``sha256sum``'s format).
+_SUM_LINE = re.compile(r"([0-9a-f]{64})  (\S.*)")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -61,9 +63,30 @@ def _sha256(path: Path) -> str:
 
 def _write_checksums(checkpoint: Path, sums: dict[str, str]) -> None:
     """``checkpoint.sha256``: one ``<sha256>  <path relative to the checkpoints folder>`` line
-    per file, written atomically."""
-    atomic_write(checksum_path(checkpoint),
-                 "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+    per file, written durably (on the disk, then renamed into place: a power cut leaves the old
+    file or the new one, never an empty one)."""
+    with atomic_open(checksum_path(checkpoint), fsync=True) as f:
+        f.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+
+
+def _listed(checkpoint: Path, sums: Path) -> dict[str, str] | str:
+    """The files ``sums`` lists for ``checkpoint`` (name → SHA-256), or why it cannot be
+    trusted: every line ``<64 hex digits>  <name>``, at least one, each name the checkpoint
+    itself (a file) or inside it (a folder)."""
+    text = sums.read_text(errors="replace")
+    listed = {}
+    for line in text.splitlines():
+        match = _SUM_LINE.fullmatch(line)
+        if match is None:
+            return f"its checksum file {sums.name} is malformed (a write cut short or edited)"
+        listed[match.group(2)] = match.group(1)
+    if not listed:
+        return f"its checksum file {sums.name} is empty (a write cut short)"
+    inside = (checkpoint.name,) if not checkpoint.is_dir() else ()
+    for name in listed:
+        if name not in inside and not name.startswith(f"{checkpoint.name}/"):
+            return f"its checksum file {sums.name} lists {name}, not a file of {checkpoint.name}"
+    return listed
 
 
 def record_folder_checksums(checkpoint: Path) -> None:
@@ -80,8 +103,10 @@ def damage(checkpoint: Path) -> str | None:
     if not checkpoint.exists():
         return "it is missing"
     if sums.is_file():
-        for line in sums.read_text().splitlines():
-            digest, _, name = line.partition("  ")
+        listed = _listed(checkpoint, sums)
+        if isinstance(listed, str):
+            return listed
+        for name, digest in listed.items():
             part = checkpoint.parent / name
             if not part.is_file():
                 return f"{name} is missing"
