@@ -71,6 +71,163 @@ def test_a_folder_muoneq_did_not_make_is_never_taken_over(tmp_path, capsys):
     assert tree(mine) == before
 
 
+# ----------------------------------------------------------------------------- one writer
+def test_a_second_run_in_a_folder_being_written_is_refused_naming_the_writer(tmp_path, capsys):
+    """Two runs with one run.name at once used to both exit 0, the second clearing the first's
+    files as an "earlier attempt" while it ran, the folder ending with a mix of both."""
+    from muoneq.suite.runtime import run_folder
+
+    run = tmp_path / "runs" / "same"
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.root={tmp_path / 'runs'}", "run.name=same")
+    with run_folder.hold(run, ["the", "first"]):  # a live run writes the folder
+        before = tree(run)
+        assert main(["train", *args]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith(f"muoneq: {run} is being written by process {os.getpid()} on ")
+        assert "muoneq train the first" in line and "a run folder has one writer" in line
+        assert tree(run) == before
+    assert not (run / run_folder.LOCK_NAME).exists() and not run.exists()  # made for it: gone
+    assert main(["train", *args]) == 0
+    assert not (run / run_folder.LOCK_NAME).exists()  # released with the run
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path, capsys):
+    from muoneq.suite.runtime import run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    left = {"pid": 999999, "host": "node7", "started": "2026-01-01T00:00:00+00:00",
+            "command": "muoneq train killed"}
+    (run / run_folder.LOCK_NAME).write_text(json.dumps(left))  # its holder was SIGKILLed
+    assert main(["train", *tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")]) == 0
+    out = capsys.readouterr().out
+    assert (f"muoneq: note: {run / run_folder.LOCK_NAME} was left by process 999999 on node7 "
+            "(since 2026-01-01T00:00:00+00:00: muoneq train killed), which ended without "
+            "releasing it (killed?); this run takes it over") in out
+    assert json.loads((run / "metrics.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_two_processes_in_one_run_folder(tmp_path):
+    """Real processes: while one trains, a second with other settings is refused naming it;
+    once the first is killed, a third continues it, taking its lock over."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = f"run.root={tmp_path / 'runs'}"
+    args = tiny(tmp_path, "trainer.max_epochs=20", runs, "run.name=same")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "muoneq", "train", *args, "trainer.progress=log",
+         "trainer.log_every_n_steps=1"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    for line in first.stdout:
+        if line.startswith("epoch ") and int(line.split()[3].split("/")[0]) >= 5:
+            break  # it has trained 5 steps: the epoch-1 checkpoint is written
+    first.send_signal(signal.SIGSTOP)  # it stays mid-run (holding its lock) while we look
+    second = subprocess.run([sys.executable, "-m", "muoneq", "train", *args,
+                             "optimizer.lr=0.5"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"is being written by process {first.pid} on " in one_line(second.stderr)
+    first.kill()
+    first.communicate(timeout=60)
+    third = subprocess.run([sys.executable, "-m", "muoneq", "train", *args, "resume=auto"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"was left by process {first.pid} on " in third.stdout
+    assert "resuming" in third.stdout
+    record = (tmp_path / "runs" / "same" / "config.yaml").read_text()
+    assert "lr: 0.5" not in record
+
+
+# ----------------------------------------------------------------------------- paths
+def test_a_checkpoints_link_is_written_through_and_only_our_files_are_cleaned(tmp_path, capsys):
+    """checkpoints/ as a link to scratch (a cluster habit): starting over after an attempt that
+    left no checkpoint used to delete everything in the link's target."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    (scratch / "data").mkdir(parents=True)
+    (scratch / "data" / "corpus.txt").write_text("mine")
+    (scratch / "notes.txt").write_text("mine too")
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch)
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(2)])  # before the first (end of epoch) checkpoint
+    (scratch / ".best.ckpt.4242.tmp").write_bytes(b"a cut write")  # ours, by name
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert (f"muoneq: note: {run / 'checkpoints'} is a symbolic link: the run writes to "
+            f"{scratch} (and removes there only files it wrote, by name)") in out
+    assert "starting over" in out
+    assert (scratch / "data" / "corpus.txt").read_text() == "mine"
+    assert (scratch / "notes.txt").read_text() == "mine too"
+    assert sorted(p.name for p in scratch.iterdir()) == [
+        "data", "last-step000000004.ckpt", "last-step000000004.ckpt.sha256", "notes.txt"]
+
+
+def test_a_run_folder_that_links_out_of_the_runs_root_is_refused(tmp_path, capsys):
+    runs, outside = tmp_path / "runs", tmp_path / "outside"
+    runs.mkdir()
+    outside.mkdir()
+    (runs / "x").symlink_to(outside)
+    args = tiny(tmp_path, "trainer.max_epochs=1")
+    assert main(["train", *args, f"run.root={runs}", "run.name=x"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line == (f"muoneq: {runs / 'x'} is a symbolic link to {outside}, so a run named "
+                    f"run.name=x would be written outside run.root={runs}; pass "
+                    f"run.dir={runs / 'x'} to write there through the link, or remove the link")
+    assert list(outside.iterdir()) == []
+    assert main(["train", *args, f"run.dir={runs / 'x'}"]) == 0  # asked for: followed, said
+    assert f"{runs / 'x'} is a symbolic link: the run writes to {outside}" in (
+        capsys.readouterr().out)
+    assert (outside / "metrics.json").is_file()
+
+
+def _make_bad(bad: Path, kind: str) -> None:
+    if kind == "file":
+        bad.write_text("not a folder")
+    elif kind == "dangling link":
+        bad.symlink_to(bad.parent / "nowhere")
+    else:
+        bad.symlink_to(bad.parent / "loop")
+        (bad.parent / "loop").symlink_to(bad)
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "link loop"])
+@pytest.mark.parametrize("where", ["run.root", "checkpoints"])
+def test_a_run_root_or_checkpoints_that_is_no_folder_is_one_line(tmp_path, capsys, kind, where):
+    if where == "run.root":
+        bad = tmp_path / "runs"
+        args, run = [f"run.root={bad}", "run.name=x"], bad / "x"
+    else:
+        run = tmp_path / "run"
+        run.mkdir()
+        args, bad = [f"run.dir={run}"], run / "checkpoints"
+    _make_bad(bad, kind)
+    assert main(["train", *tiny(tmp_path, "trainer.max_epochs=1", *args)]) == 2
+    line = one_line(capsys.readouterr().err)
+    what = {"file": "is a file, not a folder",
+            "dangling link": f"is a symbolic link to {bad.parent / 'nowhere'}, which does not "
+                             "exist",
+            "link loop": "is a loop of symbolic links"}[kind]
+    assert line.startswith(f"muoneq: {bad} {what}, so the run folder {run} cannot be written; ")
+    keys = {"run.root": "run.root / run.name", "checkpoints": "run.dir"}[where]
+    assert line.endswith(f", or choose another run folder ({keys})")
+    assert not (bad.parent / "nowhere").exists()
+
+
+def test_a_metrics_file_cut_by_a_kill_is_removed_on_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(5)])
+    left = [run / ".metrics.json.31337.tmp", run / ".config.yaml.31337.tmp"]  # a SIGKILL's
+    for path in left:
+        path.write_text("{\"status\": \"fini")
+    (run / "mine.tmp").write_text("not ours")
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert not any(p.exists() for p in left) and (run / "mine.tmp").is_file()
+
+
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

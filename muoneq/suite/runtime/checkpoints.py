@@ -145,15 +145,6 @@ def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     return None, damaged
 
 
-def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours: see
-    :func:`muoneq.suite.files.atomic_open`) from a run folder's checkpoints; return them."""
-    partial = [p for p in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp") if p.is_file()]
-    for path in partial:
-        path.unlink()
-    return partial
-
-
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint (and its checksums) to ``*.damaged``: kept for inspection,
     never resumed from, pruned or cleared."""

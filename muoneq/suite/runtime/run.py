@@ -18,11 +18,11 @@ A sweep driver may treat the presence of ``metrics.json`` as the end of the run,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
-import shutil
 import time
 from pathlib import Path
 from typing import NamedTuple, NoReturn
@@ -30,6 +30,7 @@ from typing import NamedTuple, NoReturn
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,7 +38,7 @@ import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.errors import Diverged, Interrupted
 from muoneq.suite.files import atomic_write, reporting_full_disk
-from muoneq.suite.runtime import checkpoints, record
+from muoneq.suite.runtime import checkpoints, record, run_folder
 from muoneq.suite.runtime.callbacks import LastValidation, StepStats, Stop
 from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.suite.runtime.config import Resume
@@ -87,24 +88,6 @@ def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
         return {}
     dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)
     return {"ns_dtype": dtype_name(dtype)}
-
-
-def _clear_attempt(run_dir: Path) -> None:
-    """Remove the TensorBoard events and checkpoints of an earlier attempt in this run folder
-    that left no checkpoint to resume from (its curves would mix with this run's). Called only
-    for a folder whose ``config.yaml`` is ours (:func:`muoneq.suite.runtime.record.read_record`);
-    checkpoints set aside as damaged are kept, and nothing else is ever deleted."""
-    made = [p for p in (run_dir / CHECKPOINT_DIR).glob("*")
-            if checkpoints.DAMAGED_SUFFIX not in p.name]
-    made += [run_dir / TENSORBOARD_DIR] if (run_dir / TENSORBOARD_DIR).is_dir() else []
-    if made:
-        print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
-              "resume from; starting over (its tensorboard/ and checkpoints are removed)")
-    for path in made:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def _read_finished(metrics_path: Path) -> dict:
@@ -178,6 +161,20 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     started = time.perf_counter()
     check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
+    notes = run_folder.check_paths(cfg, run_dir)
+    _check_ours(run_dir)  # before the lock is made there: a folder not ours is left untouched
+    # one writer per run folder: rank 0 holds it for every process of its run
+    writer = run_folder.hold(run_dir, argv) if rank_zero_only.rank == 0 else (
+        contextlib.nullcontext())
+    with writer:
+        for note in notes if rank_zero_only.rank == 0 else ():
+            print(note)
+        return _train(cfg, run_dir, callbacks, argv, started)
+
+
+def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
+           started: float) -> dict:
+    """:func:`train` once the run folder is this run's alone."""
     start = _resume_or_refuse(cfg, run_dir)
     if start.finished is not None:
         return start.finished
@@ -216,18 +213,26 @@ class _Start(NamedTuple):
     finished: dict | None = None
 
 
+def _check_ours(run_dir: Path) -> dict | None:
+    """The run folder's ``config.yaml`` record (None: a new run); :class:`RunFolderError` for a
+    folder that holds what ``muoneq train`` writes but is not a run folder of it. Reads only."""
+    previous = record.read_record(run_dir)
+    if previous is None and not (run_dir / METRICS_FILE).is_file() and (
+            checkpoints.last_checkpoints(run_dir) or (run_dir / TENSORBOARD_DIR).is_dir()):
+        raise RunFolderError(
+            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
+            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
+            "run.name")
+    return previous
+
+
 def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
     """Read ``run_dir`` under ``cfg.resume``: refuse a folder that is not a run folder, or that
     holds another run or a finished one without ``resume=auto``; else say where to start."""
     metrics_path = run_dir / METRICS_FILE
     finished = metrics_path.is_file()
     stored = [] if finished else checkpoints.last_checkpoints(run_dir)
-    previous = record.read_record(run_dir)
-    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
-        raise RunFolderError(
-            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
-            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
-            "run.name")
+    previous = _check_ours(run_dir)
     if not (finished or stored):
         return _Start(previous)
     what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
@@ -264,13 +269,13 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
         kept = checkpoints.set_aside(path)
         print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
               f"{then}")
+    run_folder.remove_partial_writes(run_dir)  # of a killed session's last writes
     if start.checkpoint is None:
         if start.previous is not None:
-            _clear_attempt(run_dir)
+            run_folder.clear_attempt(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
     else:
-        checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
         record.add_session(run_dir, start.previous, cfg, argv, start.checkpoint, auto)
         print(f"muoneq: resuming {run_dir} from {start.checkpoint.name}")
     summary = ["metrics/best", "metrics/final"] if module.monitor else []
