@@ -295,6 +295,90 @@ def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, cap
         *(["last-step000000009.ckpt.sha256.damaged"] if checksums else [])])
 
 
+def test_a_checkpoint_of_another_run_or_of_another_step_is_refused(reference, tmp_path,
+                                                                  capsys):
+    """Another run's checkpoint (a valid checksum) placed in checkpoints/ used to resume
+    silently, as did a checkpoint renamed to another step."""
+    data_dir, _ = reference
+
+    def stopped(name: str, *extra: str) -> tuple[Path, list[str]]:
+        run = tmp_path / name
+        args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={run}",
+                    "trainer.checkpoint_every_n_steps=2", *extra)
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args), callbacks=[StopAt(7)])
+        return run / "checkpoints", args
+
+    folder, args = stopped("mine")
+    six, eight = folder / "last-step000000006.ckpt", folder / "last-step000000008.ckpt"
+    six.rename(eight)  # this run's step 6, renamed
+    ckpts.checksum_path(six).unlink()
+    ckpts.checksum_path(eight).write_text(f"{ckpts._sha256(eight)}  {eight.name}\n")
+    before = tree(tmp_path / "mine")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"muoneq: {eight} holds step 6, not the step 8 its name says")
+    assert "move it out of checkpoints/ to resume from the previous checkpoint" in line
+    assert tree(tmp_path / "mine") == before  # refused before anything was written
+
+    other, _ = stopped("other", "optimizer.lr=0.01")
+    for name in (eight.name, f"{eight.name}.sha256"):
+        (folder / name).unlink()
+    for name in (six.name, f"{six.name}.sha256"):
+        (folder / name).write_bytes((other / name).read_bytes())
+    assert main(["train", *args, "resume=auto"]) == 2
+    assert one_line(capsys.readouterr().err).startswith(
+        f"muoneq: {six} is a checkpoint of another run (fingerprint ")
+
+
+def test_a_resume_on_changed_data_is_refused_unless_accepted(tmp_path, capsys):
+    """A paused run whose shard folder was extended with `muoneq data --tokens` (as the docs
+    describe) used to resume silently, ending on neither data's result."""
+    import yaml
+
+    from tests.helpers.language import make_documents, tiny_tiktoken_file, write_corpus
+
+    corpus = write_corpus(tmp_path, "txt", make_documents(400))
+    tokenizer = tiny_tiktoken_file(tmp_path / "tiny.tiktoken")
+    shards = tmp_path / "shards"
+
+    def prepare(tokens: int) -> None:
+        assert main(["data", "--source", str(corpus), "--out", str(shards), "--tokenizer",
+                     str(tokenizer), "--val-tokens", "128", "--shard-tokens", "2000",
+                     "--tokens", str(tokens), "--workers", "1"]) == 0
+
+    prepare(3000)
+    run = tmp_path / "run"
+    args = ["experiment=llama_tiny_shakespeare", f"task.data.dir={shards}",
+            f"task.data.tokenizer={tokenizer}", "task.data.seq_len=32", "task.data.batch_size=4",
+            "task.data.micro_batch_size=2", "task.data.val_tokens=64", "task.model.size=tiny",
+            "task.val_every_n_steps=3", "trainer.max_steps=6", "schedule.warmup_steps=0",
+            "trainer.checkpoint_every_n_steps=2", "trainer.progress=quiet", f"run.dir={run}"]
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(3)])
+    prepare(6000)  # more training tokens in the same folder
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    err = capsys.readouterr().err
+    line = one_line(err)
+    assert line == (f"muoneq: {run}: the data changed since last-step000000002.ckpt was saved "
+                    "(below), so resuming would train the rest of the run on other data than "
+                    "its start; restore the data, or continue on the new data knowingly with "
+                    "run.accept_changed_data=true (its config.yaml records the session), or "
+                    "start the run again in another folder")
+    details = [x.strip() for x in err.splitlines()[1:]]
+    assert details[0].startswith("prepare.json: ") and " → " in details[0]
+    assert details[1:] == ["train: data_train_000001.bin 3024 → 5024 bytes",
+                           "train: data_train_000002.bin added (5024 bytes)"]
+    assert main(["train", *args, "resume=auto", "run.accept_changed_data=true"]) == 0
+    assert (f"muoneq: note: {run} continues on changed data (run.accept_changed_data=true): "
+            "prepare.json: ") in capsys.readouterr().out
+    session = yaml.safe_load((run / "config.yaml").read_text())["provenance"]["resumed"][-1]
+    assert "run.accept_changed_data: false → true" in session["changed"]
+    assert main(["train", *args, "resume=auto"]) == 0  # finished: its result is read back
+
+
 def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
     data_dir, _ = reference
     run = tmp_path / "run"

@@ -14,6 +14,12 @@
   a folder, by its ``.metadata``, written last).
 * **Pruned.** :class:`LastCheckpoint` deletes every older ``last-step<N>.ckpt`` once a newer
   one is complete, those of earlier sessions included, so a run keeps one resume point.
+* **Stamped.** :class:`RunStamp` writes into every checkpoint the run it belongs to (the
+  fingerprint of its ``config.yaml``), the step it holds and the data it trained on (the task's
+  :meth:`~muoneq.suite.runtime.TaskDataModule.data_identity`, e.g. the language task's shard
+  names and sizes); :func:`read_stamp` reads them back before a resume, so that a checkpoint of
+  another run, one renamed to another step, or data changed since it was saved are refused
+  (:func:`muoneq.suite.runtime.run.train`) instead of resumed from.
 
 torch's own integrity data is not enough alone: ``torch.load`` does not check the CRC-32s, so a
 flipped byte in a tensor loads without a word; a SHA-256 is recorded here because no Lightning
@@ -29,6 +35,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -48,8 +55,21 @@ _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
 _SUM_LINE = re.compile(r"([0-9a-f]{64})  (\S.*)")
 
 
+#: The key of a checkpoint holding its :class:`RunStamp`.
+STAMP_KEY = "muoneq_run"
+#: The file of a distributed checkpoint (a folder) that holds everything but the tensors
+#: (Lightning's ``ModelParallelStrategy``).
+_FOLDER_METADATA = "meta.pt"
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded (the message names the file)."""
+
+
+def step_of(path: Path) -> int | None:
+    """The step a ``last-step<N>.ckpt`` name says (None for another name)."""
+    match = _LAST.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def checksum_path(path: Path) -> Path:
@@ -123,6 +143,69 @@ def damage(checkpoint: Path) -> str | None:
     except (zipfile.BadZipFile, OSError, EOFError):
         return "it is not a complete checkpoint (cut short or overwritten)"
     return None if bad is None else f"the CRC-32 of its record {bad} does not match"
+
+
+class RunStamp(L.Callback):
+    """Writes ``{"fingerprint", "step", "data"}`` under :data:`STAMP_KEY` into every checkpoint
+    of the run: the run's fingerprint (its ``config.yaml``'s), the global step and the identity
+    of its data (None: the task does not say)."""
+
+    def __init__(self, fingerprint: str, data: dict | None) -> None:
+        self.fingerprint, self.data = fingerprint, data
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[STAMP_KEY] = {"fingerprint": self.fingerprint, "step": trainer.global_step,
+                                 "data": self.data}
+
+
+def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
+    """The global step a checkpoint holds and its :class:`RunStamp` (None for a checkpoint
+    written before stamps), read without loading its tensors (memory-mapped)."""
+    path = checkpoint / _FOLDER_METADATA if checkpoint.is_dir() else checkpoint
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=not checkpoint.is_dir(),
+                           weights_only=True)
+    except Exception as err:  # torch's text advises weights_only=False: not for this file
+        raise CheckpointError(
+            f"{checkpoint} cannot be read ({type(err).__name__}): it is damaged or not a "
+            "checkpoint of muoneq train; move it out of the checkpoints folder to resume from "
+            "the previous one, or start the run again in another folder") from None
+    step = saved.get("global_step") if isinstance(saved, dict) else None
+    stamp = saved.get(STAMP_KEY) if isinstance(saved, dict) else None
+    return step, stamp if isinstance(stamp, dict) else None
+
+
+def data_changes(before: dict | None, now: dict | None) -> list[str]:
+    """What changed between two data identities (:class:`RunStamp`), one line each: a list of
+    ``[name, size]`` pairs (files) compared file by file, any other value as a whole; nothing
+    when either is unknown (None)."""
+    if before is None or now is None:
+        return []
+    lines = []
+    for key in sorted(before.keys() | now.keys()):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if _files(old) and _files(new):
+            was, is_ = dict(map(tuple, old)), dict(map(tuple, new))
+            lines += [f"{key}: {name} removed" if name not in is_ else
+                      f"{key}: {name} added ({is_[name]} bytes)" if name not in was else
+                      f"{key}: {name} {was[name]} → {is_[name]} bytes"
+                      for name in sorted(was.keys() | is_.keys())
+                      if was.get(name) != is_.get(name)] or [f"{key}: the files' order changed"]
+        else:
+            lines.append(f"{key}: {_short(old)} → {_short(new)}")
+    return lines
+
+
+def _short(value) -> str:
+    """A value for a message: a long text (a hash) by its first 12 characters."""
+    return f"{value[:12]}…" if isinstance(value, str) and len(value) > 16 else str(value)
+
+
+def _files(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) for item in value)
 
 
 def last_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

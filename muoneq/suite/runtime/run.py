@@ -181,6 +181,12 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
+    data = getattr(datamodule, "data_identity", lambda: None)()
+    if start.checkpoint is not None:
+        _check_stamp(cfg, run_dir, start, data)
+    fingerprint = (start.previous["provenance"]["fingerprint"] if start.checkpoint is not None
+                   else record.config_fingerprint(record.resolved(cfg)))
+    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data)]
     if cfg.spectra.enabled:
         callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
     trainer = build_trainer(
@@ -256,6 +262,39 @@ def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
         return _Start(previous, finished=metrics)
     checkpoint, damaged = checkpoints.resume_point(run_dir)
     return _Start(previous, checkpoint, damaged)
+
+
+def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None) -> None:
+    """Refuse to resume from a checkpoint that another run saved, that holds another step than
+    its name says, or whose data changed since (unless ``run.accept_changed_data``): what its
+    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run."""
+    path = start.checkpoint
+    step, stamp = checkpoints.read_stamp(path)
+    how = (f"move it out of {CHECKPOINT_DIR}/ to resume from the previous checkpoint, or start "
+           "the run again in another folder (another run.dir or run.name)")
+    named = checkpoints.step_of(path)
+    if step is not None and step != named:
+        raise checkpoints.CheckpointError(
+            f"{path} holds step {step}, not the step {named} its name says (a checkpoint "
+            f"renamed or copied in); {how}")
+    if stamp is None:
+        return  # saved before checkpoints were stamped
+    fingerprint = start.previous["provenance"]["fingerprint"]
+    if stamp.get("fingerprint") != fingerprint:
+        raise checkpoints.CheckpointError(
+            f"{path} is a checkpoint of another run (fingerprint {stamp.get('fingerprint')}; "
+            f"this run's {CONFIG_FILE} says {fingerprint}); {how}")
+    changed = checkpoints.data_changes(stamp.get("data"), data)
+    if changed and not cfg.run.accept_changed_data:
+        raise RunFolderError(
+            f"{run_dir}: the data changed since {path.name} was saved (below), so resuming "
+            "would train the rest of the run on other data than its start; restore the data, "
+            "or continue on the new data knowingly with run.accept_changed_data=true (its "
+            f"{CONFIG_FILE} records the session), or start the run again in another folder",
+            details=changed)
+    if changed and rank_zero_only.rank == 0:
+        print(f"muoneq: note: {run_dir} continues on changed data "
+              f"(run.accept_changed_data=true): {'; '.join(changed)}")
 
 
 def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,

@@ -206,6 +206,10 @@ class RunSection:
     #: Run folder; default ``<root>/<name>``.
     dir: str | None = None
     root: str = "runs"
+    #: Resume although the data changed since the checkpoint was saved (the task's
+    #: ``data_identity``, e.g. shards added by ``muoneq data --tokens``): the rest of the run
+    #: trains on the new data; the session is recorded in ``config.yaml``. Default: refuse.
+    accept_changed_data: bool = False
 
     def __post_init__(self) -> None:
         if self.name is not None and (
