@@ -14,11 +14,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 from muoneq.suite.cli import main
-from muoneq.suite.errors import DiskFull
+from muoneq.suite.errors import DiskFull, Interrupted
 from muoneq.suite.runtime import ConfigError, compose, train
 from muoneq.suite.runtime import checkpoints as ckpts
 from muoneq.suite.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
@@ -634,6 +635,62 @@ def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, sign
                        "trainer.progress=quiet")), callbacks=[reference])
     for s, loss in losses.by_step.items():
         assert loss == reference.by_step[s], s
+
+
+class SignalAt(L.Callback):
+    """Send ``signum`` to this process when the first batch of an evaluation starts (``fn``:
+    fit, validate or test) at optimizer step ``step``."""
+
+    def __init__(self, signum: int, fn: str, step: int) -> None:
+        self.signum, self.fn, self.step, self.sent = signum, fn, step, False
+
+    def _send(self, trainer) -> None:
+        if not self.sent and trainer.state.fn == self.fn and trainer.global_step == self.step:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer, *args) -> None:
+        self._send(trainer)
+
+    def on_test_batch_start(self, trainer, *args) -> None:
+        self._send(trainer)
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """Uninterrupted runs of 3 and 4 steps with a validation set (3 steps per epoch)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    torch.set_num_threads(1)
+    return tmp, {steps: train(compose(tiny(tmp, "task.data.val_size=8",
+                                           f"trainer.max_steps={steps}",
+                                           f"run.dir={tmp / str(steps)}")))
+                 for steps in (3, 4)}
+
+
+@pytest.mark.parametrize(("signum", "fn", "steps"), [
+    (signal.SIGTERM, "fit", 3), (signal.SIGTERM, "validate", 4), (signal.SIGTERM, "test", 4),
+    (signal.SIGINT, "validate", 4)],
+    ids=["SIGTERM-last-validation-of-the-fit", "SIGTERM-final-validation", "SIGTERM-test",
+         "SIGINT-final-validation"])
+def test_a_signal_after_the_last_step_is_an_interruption(finished_runs, tmp_path, signum, fn,
+                                                         steps):
+    """SIGTERM during the final validation used to exit 0 with no metrics.json and no message
+    (Lightning's SIGTERM handler ends with a SystemExit of status 0): a scheduler counted an
+    unfinished run as done."""
+    data_dir, reference = finished_runs
+    run = tmp_path / "run"
+    args = tiny(data_dir, "task.data.val_size=8", f"trainer.max_steps={steps}",
+                f"run.dir={run}")
+    with pytest.raises(Interrupted) as err:
+        train(compose(args), callbacks=[SignalAt(signum, fn, steps)])
+    assert err.value.exit_code == 128 + signum
+    assert (f"training of {run} stopped by {signal.Signals(signum).name} during its final "
+            f"validation or test after step {steps}, saved as "
+            f"checkpoints/last-step{steps:09d}.ckpt; continue it with: ") in str(err.value)
+    assert not (run / "metrics.json").exists()
+    metrics = train(compose([*args, "resume=auto"]))  # the evaluation is done again
+    for key in ("final", "best", "test/acc", "global_step"):
+        assert metrics[key] == reference[steps][key], key
 
 
 def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):

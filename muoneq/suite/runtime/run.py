@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import time
 from pathlib import Path
 from typing import NamedTuple, NoReturn
@@ -31,6 +32,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,7 +41,7 @@ from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.errors import Diverged, Interrupted
 from muoneq.suite.files import atomic_write, reporting_full_disk
 from muoneq.suite.runtime import checkpoints, record, run_folder
-from muoneq.suite.runtime.callbacks import LastValidation, StepStats, Stop
+from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop
 from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
@@ -199,13 +201,11 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
     if trainer.is_global_zero:
         _open_session(trainer, cfg, module, run_dir, start, argv)
 
-    _fit(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv, started)
-    fit_metrics, best, final = _scores(trainer, module, datamodule)
-    return _write_metrics(trainer, cfg, module, run_dir, started, {
-        "status": "finished", "best": best, "final": final,
-        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
-        **_test_metrics(trainer, module, datamodule),
-    })
+    interruption = _callback(trainer, Interruption)
+    with interruption.installed():  # until metrics.json is written: a signal is never lost
+        figures = _session(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv,
+                           started)
+        return _write_metrics(trainer, cfg, module, run_dir, started, figures)
 
 
 class _Start(NamedTuple):
@@ -322,14 +322,18 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
         _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
 
 
-def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
-         checkpoint: Path | None, argv: list[str] | None, started: float) -> None:
-    """``trainer.fit`` from ``checkpoint``; a divergence is recorded and raised as
-    :class:`~muoneq.suite.errors.Diverged`, a signal as
+def _session(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
+             checkpoint: Path | None, argv: list[str] | None, started: float) -> dict:
+    """``trainer.fit`` from ``checkpoint``, then the final validation and test: the figures of a
+    finished run. A divergence is recorded and raised as
+    :class:`~muoneq.suite.errors.Diverged`, a signal (during training or after it) as
     :class:`~muoneq.suite.errors.Interrupted`."""
     try:
         with reporting_full_disk(run_dir, then="re-run the same command with resume=auto"):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+            fit_metrics, best, final = _scores(trainer, module, datamodule)
+            tests = _test_metrics(trainer, module, datamodule)
+            _callback(trainer, Interruption).after_training(trainer)
     except Stop as stop:
         if stop.checkpoint is None:
             _diverged(trainer, cfg, module, run_dir, stop, started)
@@ -337,6 +341,13 @@ def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
             f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
             f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
             f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+    except SIGTERMException:  # Lightning's handler saw it first (before training began)
+        raise Interrupted(
+            f"training of {run_dir} stopped by SIGTERM at step {trainer.global_step}, before the "
+            f"step could be saved; continue it from its last checkpoint with: "
+            f"{continue_command(argv)}", exit_code=128 + signal.SIGTERM) from None
+    return {"status": "finished", "best": best, "final": final,
+            **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")}, **tests}
 
 
 def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None, float | None]:
@@ -346,8 +357,10 @@ def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None,
     if module.monitor is None:
         return fit_metrics, None, None
     best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
-    if _callback(trainer, LastValidation).step != trainer.global_step:
-        # the budget ended between validations: validate the final weights once more
+    if (_callback(trainer, LastValidation).step != trainer.global_step
+            or module.monitor not in trainer.callback_metrics):
+        # the budget ended between validations, or a session that trained nothing continues a
+        # run stopped after its last step: validate the final weights (once more)
         fit_metrics |= {k: _number(v) for k, v in trainer.validate(
             module, datamodule=datamodule, verbose=False)[0].items()}
         _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)
