@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import optuna
@@ -156,3 +157,59 @@ def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
     decide.start()
     assert ledger.duplicate_of(third.number, "another run") is None
     decide.join()
+
+
+def test_liveness_of_another_machine_never_compares_the_two_clocks(tmp_path):
+    """A driver whose clock ran an hour ahead of another's declared every live trial of the
+    other "driver and process gone", failed and re-queued them: liveness compared a heartbeat
+    written by one clock with the time of another."""
+    driver = Driver(load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0])), options(tmp_path))
+    ledger, study = driver.ledger, driver.study
+    stale = driver.spec.retry.stale_after_s
+    now = [1000.0]
+    ledger.clock = lambda: now[0]
+    trial = study.ask()
+    beat = time.time() - 3600  # the other machine's clock is an hour behind
+    ledger.write(trial.number, TrialRecord(run_key="a run", driver="node2:7:abc", host="node2",
+                                           heartbeat=beat))
+
+    def alive() -> bool:
+        frozen = study.get_trials(deepcopy=False)[trial.number]
+        return ledger.owner_alive(frozen)
+
+    assert alive()  # its heartbeat is new to this driver
+    now[0] += stale - 1
+    assert alive()
+    now[0] += 1
+    assert not alive()  # stale_after_s of this driver's clock without a new heartbeat
+    ledger.write(trial.number, TrialRecord(heartbeat=beat + 30))  # it beats: alive again
+    assert alive()
+    now[0] += stale - 1
+    assert alive()
+    now[0] += 1
+    assert not alive()
+    survey = ledger.survey()
+    assert [t.number for t in survey.runs["a run"].orphans] == [trial.number]
+
+
+def test_a_damaged_trial_json_fails_its_trial_with_one_line_naming_it(tmp_path):
+    """A cut trial.json used to crash the worker thread with a JSONDecodeError naming no file,
+    the trial left RUNNING and then "out of retries" with nothing in its log."""
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0]))
+    study_dir = tmp_path / "runs" / "tiny"
+    first, second = spec.points()
+    run_dir = first.run_dir(study_dir, 0)
+    run_dir.mkdir(parents=True)
+    (run_dir / launch.RECORD_NAME).write_text('{"fingerprint": {"experi')  # a cut write
+    summary = Driver(spec, options(tmp_path)).run()
+    assert (summary.done, summary.exhausted) == (1, [f"{first.key} | seed=0"])
+    trials = optuna.load_study(study_name="tiny",
+                               storage=open_storage(None, study_dir)).get_trials()
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs["outcome"] == "config_error"
+    message = failed[0].user_attrs["message"]
+    assert message.startswith(f"{run_dir / launch.RECORD_NAME} is damaged or unreadable "
+                              "(JSONDecodeError: ") and "\n" not in message
+    assert message.endswith("restore it, or delete that run folder to run its point again")
+    assert launch.log_tail(run_dir).endswith(f"failed: {message}")
+    assert (second.run_dir(study_dir, 0) / "metrics.json").is_file()

@@ -39,9 +39,12 @@ class Runner:
     def execute(self, job: Job, slot: int) -> None:
         try:
             outcomes = self._adopt(job) if isinstance(job, Adopt) else self._start(job, slot)
-        except launch.ResultMismatch as err:
-            self.ledger.tell(job.number, TrialState.FAIL, outcome="failed", message=str(err))
-            log.error("%s", err)
+        except launch.ResultMismatch as err:  # a retry would meet the same folder
+            self.ledger.tell(job.number, TrialState.FAIL, outcome="config_error",
+                             message=str(err))
+            log.error("trial %d (%s): %s (not retried: fix it, then re-run the sweep)",
+                      job.number, job.key, err)
+            launch.append_log(err.run_dir, f"muoneq sweep: trial {job.number} failed: {err}")
             return
         if outcomes is None:
             return
