@@ -23,7 +23,9 @@ from muoneq.suite.errors import DiskFull, Interrupted
 from muoneq.suite.runtime import ConfigError, compose, train
 from muoneq.suite.runtime import checkpoints as ckpts
 from muoneq.suite.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
 from tests.helpers.runtime import Losses, StopAt, tiny
+from tests.helpers.sweeps import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -227,6 +229,45 @@ def test_a_metrics_file_cut_by_a_kill_is_removed_on_resume(tmp_path, capsys):
     (run / "mine.tmp").write_text("not ours")
     assert main(["train", *args, "resume=auto"]) == 0
     assert not any(p.exists() for p in left) and (run / "mine.tmp").is_file()
+
+
+@pytest.mark.parametrize("what", ["experiment file", "config.yaml", "metrics.json",
+                                  "checkpoint checksum", "checkpoint", "read-only run.root"])
+def test_a_file_or_folder_out_of_reach_is_one_line(tmp_path, capsys, deny, what):
+    """An unreadable file or a read-only runs folder used to end in a traceback (or, for an
+    unreadable config.yaml, in "not a run folder of muoneq train")."""
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text((REPO / "conf" / "experiment" / "cifar10_resnet18.yaml").read_text())
+    runs = tmp_path / "runs"
+    args = [*tiny(tmp_path, "trainer.max_epochs=2", f"run.root={runs}", "run.name=x"),
+            f"experiment={experiment}"]
+    run = runs / "x"
+    if what in ("config.yaml", "metrics.json"):
+        assert main(["train", *args]) == 0
+    elif what.startswith("checkpoint"):
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args), callbacks=[StopAt(6)])
+    else:
+        runs.mkdir()
+    path = {"experiment file": experiment, "config.yaml": run / "config.yaml",
+            "metrics.json": run / "metrics.json", "read-only run.root": runs,
+            "checkpoint checksum": run / "checkpoints" / "last-step000000004.ckpt.sha256",
+            "checkpoint": run / "checkpoints" / "last-step000000004.ckpt"}[what]
+    deny(path)
+    before = listing(tmp_path)
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    line = one_line(capsys.readouterr().err)
+    where = path if what != "read-only run.root" else run
+    assert line == (f"muoneq: {where}: permission denied (Permission denied); give your user "
+                    "access to it (ls -l, chmod, chown), or choose another file or folder")
+    assert listing(tmp_path) == before
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file's size and modification time (what changes when it is written)."""
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
 # ----------------------------------------------------------------------------- checkpoints

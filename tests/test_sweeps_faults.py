@@ -21,6 +21,7 @@ from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep
 from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
+from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
 from tests.helpers.sweeps import options, write_sweep
 
 
@@ -106,6 +107,51 @@ def test_a_malformed_sweep_file_is_one_line(tmp_path, capsys):
     assert main(["sweep", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"muoneq: {bad}: line 4") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (b"- study: x\n- grid: []\n", "the file holds a list at its top level, and a sweep file is "
+                                  "a mapping of its fields"),
+    (b"study: caf\xe9\n", "byte 10 is not UTF-8 (invalid continuation byte), so the file is "
+                          "not a sweep file (YAML in UTF-8); save it as UTF-8")],
+    ids=["top-level list", "not UTF-8"])
+def test_a_sweep_file_that_is_no_mapping_or_not_utf8_is_one_line(tmp_path, capsys, content,
+                                                                 words):
+    from muoneq.suite.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    assert main(["sweep", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"muoneq: {bad}: {words}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("what", ["sweep file", "journal", "a run's metrics.json",
+                                  "read-only runs folder"])
+def test_a_file_or_folder_out_of_reach_stops_the_sweep_with_one_line(tmp_path, capsys, deny,
+                                                                     what):
+    from muoneq.suite.cli import main
+
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0])
+    runs = tmp_path / "runs"
+    run = load_sweep(sweep).points()[0].run_dir(runs / "tiny", 0)
+    if what in ("journal", "a run's metrics.json"):
+        assert Driver(load_sweep(sweep), options(tmp_path)).run().exit_code == 0
+    else:
+        runs.mkdir()
+    path = {"sweep file": sweep, "journal": runs / "tiny" / "optuna.journal",
+            "a run's metrics.json": run / "metrics.json", "read-only runs folder": runs}[what]
+    if what == "a run's metrics.json":  # a finished run the driver reads again
+        (runs / "tiny" / "optuna.journal").unlink()
+    deny(path)
+    capsys.readouterr()
+    assert main(["sweep", str(sweep), "--runs-dir", str(runs)]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    where = runs / "tiny" if what == "read-only runs folder" else path
+    assert lines == [f"muoneq: {where}: permission denied (Permission denied); give your user "
+                     "access to it (ls -l, chmod, chown), or choose another file or folder"]
     assert "Traceback" not in err
 
 
@@ -213,3 +259,26 @@ def test_a_damaged_trial_json_fails_its_trial_with_one_line_naming_it(tmp_path):
     assert message.endswith("restore it, or delete that run folder to run its point again")
     assert launch.log_tail(run_dir).endswith(f"failed: {message}")
     assert (second.run_dir(study_dir, 0) / "metrics.json").is_file()
+
+
+def test_a_run_that_found_the_disk_full_stops_the_sweep_at_once(tmp_path, capsys):
+    """A trial that exits with the full-disk status (4) used to be retried, and every other run
+    started, each meeting the same disk."""
+    from muoneq.suite.cli import main
+
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "disk_full=true"])
+    runs = tmp_path / "runs"
+    assert main(["sweep", str(sweep), "--runs-dir", str(runs), "--poll", "0.2"]) == 4
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("muoneq: ")]
+    first = load_sweep(sweep).points()[0]
+    run_dir = first.run_dir(runs / "tiny", 0)
+    assert line == [f"muoneq: trial 0 ({first.key} | seed=0): no space left on the disk holding "
+                    f"{run_dir}/checkpoints/last-step000000004.ckpt (0.00 GiB free); free space "
+                    "there (old runs, checkpoints) or write to a larger disk; then run the same "
+                    "sweep command to continue (the run resumes from its last checkpoint)"]
+    starts = sorted(runs.rglob("starts.log"))
+    assert starts == [run_dir / "starts.log"] and len(starts[0].read_text().splitlines()) == 1
+    trial = optuna.load_study(study_name="tiny",
+                              storage=open_storage(None, runs / "tiny")).get_trials()[0]
+    assert trial.user_attrs["outcome"] == "disk_full"  # not a failure: no retry used up

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from muoneq.suite.errors import DiskFull
+from muoneq.suite.errors import DiskFull, UserError
 
 
 def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str = "") -> str:
@@ -25,6 +25,19 @@ def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str =
 
 #: ``errno`` values of a full disk or an exhausted quota.
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+#: ``errno`` values of a file or folder this user may not read or write (or a read-only disk).
+NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def no_access(err: OSError) -> UserError:
+    """The one-line :class:`~muoneq.suite.errors.UserError` for an ``OSError`` of
+    :data:`NO_ACCESS`, naming the file or folder."""
+    where = err.filename or "a file or folder"
+    if err.errno == errno.EROFS:
+        return UserError(f"{where} is on a read-only file system, so it cannot be written; write "
+                         "to a writable disk (run.root, run.dir or --runs-dir) or remount it")
+    return UserError(f"{where}: permission denied ({err.strerror}); give your user access to it "
+                     "(ls -l, chmod, chown), or choose another file or folder")
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from muoneq.suite.errors import UserError
-from muoneq.suite.files import atomic_open, reporting_full_disk
+from muoneq.suite.files import NO_ACCESS, atomic_open, reporting_full_disk
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -140,7 +140,9 @@ def damage(checkpoint: Path) -> str | None:
     try:
         with zipfile.ZipFile(checkpoint) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError):
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        if isinstance(err, OSError) and err.errno in NO_ACCESS:
+            raise  # unreadable is not damaged: said by the command (no_access)
         return "it is not a complete checkpoint (cut short or overwritten)"
     return None if bad is None else f"the CRC-32 of its record {bad} does not match"
 
@@ -166,6 +168,8 @@ def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
         saved = torch.load(path, map_location="cpu", mmap=not checkpoint.is_dir(),
                            weights_only=True)
     except Exception as err:  # torch's text advises weights_only=False: not for this file
+        if isinstance(err, OSError) and err.errno in NO_ACCESS:
+            raise  # unreadable: said by the command (no_access)
         raise CheckpointError(
             f"{checkpoint} cannot be read ({type(err).__name__}): it is damaged or not a "
             "checkpoint of muoneq train; move it out of the checkpoints folder to resume from "
