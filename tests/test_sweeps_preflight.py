@@ -117,8 +117,8 @@ def test_make_report_skips_a_study_without_results_and_reports_the_others(tmp_pa
               state=optuna.trial.TrialState.FAIL)
     done = make("report", f"RUNS={runs}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"muoneq report: skipped study empty ({runs / 'empty'}): no finished run yet" \
-        in done.stdout
+    assert f"muoneq report: skipped study empty ({runs / 'empty'}): it has no finished run " \
+        "yet" in done.stdout
     assert (runs / "tiny" / "report" / "report.md").is_file()
     assert not (runs / "empty" / "report").exists()
     assert json.loads((runs / "tiny" / "trials").joinpath(
