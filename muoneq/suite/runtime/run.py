@@ -11,6 +11,8 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
                       each with its SHA-256 (:mod:`muoneq.suite.runtime.checkpoints`)
     metrics.json      final figures; written last, only by a run that finished or diverged
                       (its "status")
+    .run.lock         held by the run's one writer while it runs
+                      (:mod:`muoneq.suite.runtime.run_folder`)
 
 A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
 ``status`` as how it ended.
@@ -153,10 +155,14 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     :func:`muoneq.suite.runtime.record.check_same_run`).
     Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
 
-    Checkpoints are verified before a resume: a damaged one is named, kept as ``*.damaged`` and
-    the previous intact one is used (:mod:`muoneq.suite.runtime.checkpoints`). A NaN/inf loss or
-    validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
-    :class:`~muoneq.suite.errors.Diverged`; SIGINT/SIGTERM saves the current step and raises
+    The run folder has one writer: a second run there is refused naming the first, and links
+    and cleaning follow :mod:`muoneq.suite.runtime.run_folder`. Checkpoints are verified before a
+    resume: a damaged one is named, kept as ``*.damaged`` and the previous intact one is used; one
+    of another run or step, or data changed since it was saved (unless
+    ``run.accept_changed_data``), is refused (:mod:`muoneq.suite.runtime.checkpoints`). A NaN/inf
+    loss or validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
+    :class:`~muoneq.suite.errors.Diverged`; SIGINT/SIGTERM, while training or during the final
+    validation and test, saves the current step and raises
     :class:`~muoneq.suite.errors.Interrupted` with the command that continues the run; a full disk
     raises :class:`~muoneq.suite.errors.DiskFull` naming the folder.
     """

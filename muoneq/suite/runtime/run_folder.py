@@ -8,7 +8,9 @@
   reboots), so a lock file a dead run left behind is taken over by the next one, with a note
   naming the dead holder. It is the kind of lock a sweep's trial holds (``.trial.lock``,
   :mod:`muoneq.suite.sweeps.launch`); ``flock`` works across machines on NFS (the client emulates
-  it with POSIX locks) and on local disks.
+  it with POSIX locks) and on local disks. Written on ``fcntl.flock`` directly, as that one is:
+  the lock file also says who holds it, for the refusal to name (``filelock``'s locks carry no
+  holder).
 * **Where its paths lead** (:func:`check_paths`). ``run.root``, the run folder, ``checkpoints/``
   and ``tensorboard/`` must each be a folder or not exist yet: a file, a symbolic link to nothing
   or a loop of links there is one line naming the path. A run named by ``run.name`` stays inside
