@@ -421,14 +421,19 @@ def test_a_resume_on_changed_data_is_refused_unless_accepted(tmp_path, capsys):
     assert main(["train", *args, "resume=auto"]) == 0  # finished: its result is read back
 
 
-def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
-    data_dir, _ = reference
+def stopped_at_step_3(data_dir: Path, tmp_path: Path) -> tuple[Path, list[str], Path]:
+    """A run of one epoch (4 steps) saving every 2 steps, crashed at step 3: its folder, its
+    arguments and its one checkpoint (step 2)."""
     run = tmp_path / "run"
     args = tiny(data_dir, "trainer.max_epochs=1", f"run.dir={run}",
                 "trainer.checkpoint_every_n_steps=2")
     with pytest.raises(RuntimeError, match="stopped by the test"):
         train(compose(args), callbacks=[StopAt(3)])
-    two = run / "checkpoints" / "last-step000000002.ckpt"
+    return run, args, run / "checkpoints" / "last-step000000002.ckpt"
+
+
+def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
+    run, args, two = stopped_at_step_3(reference[0], tmp_path)
     two.write_bytes(two.read_bytes()[:-100])  # cut short
     assert main(["train", *args]) == 2  # resume=never still refuses a folder with checkpoints
     assert "pass resume=auto" in one_line(capsys.readouterr().err)
@@ -445,13 +450,7 @@ def test_an_empty_or_malformed_checksum_file_is_a_damaged_checkpoint(reference, 
                                                                     content):
     """A power cut during the checksum's write left it empty: the flipped bit it would have
     caught loaded silently, and the run finished with wrong weights."""
-    data_dir, _ = reference
-    run = tmp_path / "run"
-    args = tiny(data_dir, "trainer.max_epochs=1", f"run.dir={run}",
-                "trainer.checkpoint_every_n_steps=2")
-    with pytest.raises(RuntimeError, match="stopped by the test"):
-        train(compose(args), callbacks=[StopAt(3)])
-    two = run / "checkpoints" / "last-step000000002.ckpt"
+    run, args, two = stopped_at_step_3(reference[0], tmp_path)
     flip_a_tensor_byte(two)
     ckpts.checksum_path(two).write_text(content)
     what = "empty" if not content else "malformed"
