@@ -162,12 +162,14 @@ class RunStamp(L.Callback):
 
 def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
     """The global step a checkpoint holds and its :class:`RunStamp` (None for a checkpoint
-    written before stamps), read without loading its tensors (memory-mapped)."""
+    written before stamps), read without loading its tensors (memory-mapped). Read as Lightning
+    reads it to resume right after (``weights_only=False``: a checkpoint whose checksums were
+    just verified, and may hold the hyper-parameters Lightning saves)."""
     path = checkpoint / _FOLDER_METADATA if checkpoint.is_dir() else checkpoint
     try:
         saved = torch.load(path, map_location="cpu", mmap=not checkpoint.is_dir(),
-                           weights_only=True)
-    except Exception as err:  # torch's text advises weights_only=False: not for this file
+                           weights_only=False)
+    except Exception as err:
         if isinstance(err, OSError) and err.errno in NO_ACCESS:
             raise  # unreadable: said by the command (no_access)
         raise CheckpointError(
