@@ -334,3 +334,33 @@ def test_a_method_keeps_its_colour_in_every_figure_and_one_point_is_marked(tmp_p
     assert (muon.get_color(), muoneq.get_color()) == (palette.colour(opt("muon_nes", 0.02)),
                                                       palette.colour(opt("muoneq_nes", 0, "R")))
     assert muon.get_color() != muoneq.get_color()
+
+
+def test_a_study_whose_runs_all_diverged_says_so(tmp_path, capsys):
+    """It used to report "8 finished runs" and a table of dashes."""
+    sweep = {"study": "div", "experiment": "cifar10_resnet18", "seeds": [0, 1],
+             "grid": [{"optimizer": ["sgd", "muon_nes"], "optimizer.lr": [0.1, 0.05]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    _, spec, study = stored_study(tmp_path, sweep)
+    for point in spec.points():
+        for seed in (0, 1):
+            add_trial(study, (point.as_dict(), point.key), seed, None, state=TrialState.FAIL,
+                      outcome="diverged", metrics={
+                          "status": "diverged", "test_acc": None, "diverged_at_step": 3,
+                          "diverged": "the training loss is not finite (nan)"})
+    from muoneq.suite.cli import main
+
+    study_dir = tmp_path / "runs" / "div"
+    first = study_dir / "trials" / "optimizer=sgd,optimizer.lr=0.1" / "seed0"
+    assert main(["report", str(study_dir), "--no-tensorboard"]) == 2
+    assert capsys.readouterr().err == (
+        f"muoneq: study 'div' has 8 finished runs and every one diverged ({first} at step 3: the "
+        "training loss is not finite (nan)), so no table or figure would hold a value; run it "
+        "again with lower learning rates (the grid extended below its lowest optimizer.lr) or a "
+        "larger trainer.divergence_patience\n")
+    assert not (study_dir / "report").exists()
+    assert report_main([str(study_dir), "--skip-empty"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"muoneq report: skipped study div ({study_dir}): it has 8 finished runs and every one "
+        "diverged (")
+

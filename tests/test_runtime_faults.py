@@ -14,15 +14,18 @@ import sys
 import zipfile
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 from muoneq.suite.cli import main
-from muoneq.suite.errors import DiskFull
+from muoneq.suite.errors import DiskFull, Interrupted
 from muoneq.suite.runtime import ConfigError, compose, train
 from muoneq.suite.runtime import checkpoints as ckpts
 from muoneq.suite.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
 from tests.helpers.runtime import Losses, StopAt, tiny
+from tests.helpers.sweeps import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,6 +72,202 @@ def test_a_folder_muoneq_did_not_make_is_never_taken_over(tmp_path, capsys):
     assert "is not a run folder of muoneq train" in one_line(capsys.readouterr().err)
     del before["config.yaml"]
     assert tree(mine) == before
+
+
+# ----------------------------------------------------------------------------- one writer
+def test_a_second_run_in_a_folder_being_written_is_refused_naming_the_writer(tmp_path, capsys):
+    """Two runs with one run.name at once used to both exit 0, the second clearing the first's
+    files as an "earlier attempt" while it ran, the folder ending with a mix of both."""
+    from muoneq.suite.runtime import run_folder
+
+    run = tmp_path / "runs" / "same"
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.root={tmp_path / 'runs'}", "run.name=same")
+    with run_folder.hold(run, ["the", "first"]):  # a live run writes the folder
+        before = tree(run)
+        assert main(["train", *args]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith(f"muoneq: {run} is being written by process {os.getpid()} on ")
+        assert "muoneq train the first" in line and "a run folder has one writer" in line
+        assert tree(run) == before
+    assert not (run / run_folder.LOCK_NAME).exists() and not run.exists()  # made for it: gone
+    assert main(["train", *args]) == 0
+    assert not (run / run_folder.LOCK_NAME).exists()  # released with the run
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path, capsys):
+    from muoneq.suite.runtime import run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    left = {"pid": 999999, "host": "node7", "started": "2026-01-01T00:00:00+00:00",
+            "command": "muoneq train killed"}
+    (run / run_folder.LOCK_NAME).write_text(json.dumps(left))  # its holder was SIGKILLed
+    assert main(["train", *tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")]) == 0
+    out = capsys.readouterr().out
+    assert (f"muoneq: note: {run / run_folder.LOCK_NAME} was left by process 999999 on node7 "
+            "(since 2026-01-01T00:00:00+00:00: muoneq train killed), which ended without "
+            "releasing it (killed?); this run takes it over") in out
+    assert json.loads((run / "metrics.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_two_processes_in_one_run_folder(tmp_path):
+    """Real processes: while one trains, a second with other settings is refused naming it;
+    once the first is killed, a third continues it, taking its lock over."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = f"run.root={tmp_path / 'runs'}"
+    args = tiny(tmp_path, "trainer.max_epochs=20", runs, "run.name=same")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "muoneq", "train", *args, "trainer.progress=log",
+         "trainer.log_every_n_steps=1"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    for line in first.stdout:
+        if line.startswith("epoch ") and int(line.split()[3].split("/")[0]) >= 5:
+            break  # it has trained 5 steps: the epoch-1 checkpoint is written
+    first.send_signal(signal.SIGSTOP)  # it stays mid-run (holding its lock) while we look
+    second = subprocess.run([sys.executable, "-m", "muoneq", "train", *args,
+                             "optimizer.lr=0.5"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"is being written by process {first.pid} on " in one_line(second.stderr)
+    first.kill()
+    first.communicate(timeout=60)
+    third = subprocess.run([sys.executable, "-m", "muoneq", "train", *args, "resume=auto"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"was left by process {first.pid} on " in third.stdout
+    assert "resuming" in third.stdout
+    record = (tmp_path / "runs" / "same" / "config.yaml").read_text()
+    assert "lr: 0.5" not in record
+
+
+# ----------------------------------------------------------------------------- paths
+def test_a_checkpoints_link_is_written_through_and_only_our_files_are_cleaned(tmp_path, capsys):
+    """checkpoints/ as a link to scratch (a cluster habit): starting over after an attempt that
+    left no checkpoint used to delete everything in the link's target."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    (scratch / "data").mkdir(parents=True)
+    (scratch / "data" / "corpus.txt").write_text("mine")
+    (scratch / "notes.txt").write_text("mine too")
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch)
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(2)])  # before the first (end of epoch) checkpoint
+    (scratch / ".best.ckpt.4242.tmp").write_bytes(b"a cut write")  # ours, by name
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert (f"muoneq: note: {run / 'checkpoints'} is a symbolic link: the run writes to "
+            f"{scratch} (and removes there only files it wrote, by name)") in out
+    assert "starting over" in out
+    assert (scratch / "data" / "corpus.txt").read_text() == "mine"
+    assert (scratch / "notes.txt").read_text() == "mine too"
+    assert sorted(p.name for p in scratch.iterdir()) == [
+        "data", "last-step000000004.ckpt", "last-step000000004.ckpt.sha256", "notes.txt"]
+
+
+def test_a_run_folder_that_links_out_of_the_runs_root_is_refused(tmp_path, capsys):
+    runs, outside = tmp_path / "runs", tmp_path / "outside"
+    runs.mkdir()
+    outside.mkdir()
+    (runs / "x").symlink_to(outside)
+    args = tiny(tmp_path, "trainer.max_epochs=1")
+    assert main(["train", *args, f"run.root={runs}", "run.name=x"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line == (f"muoneq: {runs / 'x'} is a symbolic link to {outside}, so a run named "
+                    f"run.name=x would be written outside run.root={runs}; pass "
+                    f"run.dir={runs / 'x'} to write there through the link, or remove the link")
+    assert list(outside.iterdir()) == []
+    assert main(["train", *args, f"run.dir={runs / 'x'}"]) == 0  # asked for: followed, said
+    assert f"{runs / 'x'} is a symbolic link: the run writes to {outside}" in (
+        capsys.readouterr().out)
+    assert (outside / "metrics.json").is_file()
+
+
+def _make_bad(bad: Path, kind: str) -> None:
+    if kind == "file":
+        bad.write_text("not a folder")
+    elif kind == "dangling link":
+        bad.symlink_to(bad.parent / "nowhere")
+    else:
+        bad.symlink_to(bad.parent / "loop")
+        (bad.parent / "loop").symlink_to(bad)
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "link loop"])
+@pytest.mark.parametrize("where", ["run.root", "checkpoints"])
+def test_a_run_root_or_checkpoints_that_is_no_folder_is_one_line(tmp_path, capsys, kind, where):
+    if where == "run.root":
+        bad = tmp_path / "runs"
+        args, run = [f"run.root={bad}", "run.name=x"], bad / "x"
+    else:
+        run = tmp_path / "run"
+        run.mkdir()
+        args, bad = [f"run.dir={run}"], run / "checkpoints"
+    _make_bad(bad, kind)
+    assert main(["train", *tiny(tmp_path, "trainer.max_epochs=1", *args)]) == 2
+    line = one_line(capsys.readouterr().err)
+    what = {"file": "is a file, not a folder",
+            "dangling link": f"is a symbolic link to {bad.parent / 'nowhere'}, which does not "
+                             "exist",
+            "link loop": "is a loop of symbolic links"}[kind]
+    assert line.startswith(f"muoneq: {bad} {what}, so the run folder {run} cannot be written; ")
+    keys = {"run.root": "run.root / run.name", "checkpoints": "run.dir"}[where]
+    assert line.endswith(f", or choose another run folder ({keys})")
+    assert not (bad.parent / "nowhere").exists()
+
+
+def test_a_metrics_file_cut_by_a_kill_is_removed_on_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(5)])
+    left = [run / ".metrics.json.31337.tmp", run / ".config.yaml.31337.tmp"]  # a SIGKILL's
+    for path in left:
+        path.write_text("{\"status\": \"fini")
+    (run / "mine.tmp").write_text("not ours")
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert not any(p.exists() for p in left) and (run / "mine.tmp").is_file()
+
+
+@pytest.mark.parametrize("what", ["experiment file", "config.yaml", "metrics.json",
+                                  "checkpoint checksum", "checkpoint", "read-only run.root"])
+def test_a_file_or_folder_out_of_reach_is_one_line(tmp_path, capsys, deny, what):
+    """An unreadable file or a read-only runs folder used to end in a traceback (or, for an
+    unreadable config.yaml, in "not a run folder of muoneq train")."""
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text((REPO / "conf" / "experiment" / "cifar10_resnet18.yaml").read_text())
+    runs = tmp_path / "runs"
+    args = [*tiny(tmp_path, "trainer.max_epochs=2", f"run.root={runs}", "run.name=x"),
+            f"experiment={experiment}"]
+    run = runs / "x"
+    if what in ("config.yaml", "metrics.json"):
+        assert main(["train", *args]) == 0
+    elif what.startswith("checkpoint"):
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args), callbacks=[StopAt(6)])
+    else:
+        runs.mkdir()
+    path = {"experiment file": experiment, "config.yaml": run / "config.yaml",
+            "metrics.json": run / "metrics.json", "read-only run.root": runs,
+            "checkpoint checksum": run / "checkpoints" / "last-step000000004.ckpt.sha256",
+            "checkpoint": run / "checkpoints" / "last-step000000004.ckpt"}[what]
+    deny(path)
+    before = listing(tmp_path)
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    line = one_line(capsys.readouterr().err)
+    where = path if what != "read-only run.root" else run
+    assert line == (f"muoneq: {where}: permission denied (Permission denied); give your user "
+                    "access to it (ls -l, chmod, chown), or choose another file or folder")
+    assert listing(tmp_path) == before
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file's size and modification time (what changes when it is written)."""
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -138,14 +337,103 @@ def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, cap
         *(["last-step000000009.ckpt.sha256.damaged"] if checksums else [])])
 
 
-def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
+def test_a_checkpoint_of_another_run_or_of_another_step_is_refused(reference, tmp_path,
+                                                                  capsys):
+    """Another run's checkpoint (a valid checksum) placed in checkpoints/ used to resume
+    silently, as did a checkpoint renamed to another step."""
     data_dir, _ = reference
+
+    def stopped(name: str, *extra: str) -> tuple[Path, list[str]]:
+        run = tmp_path / name
+        args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={run}",
+                    "trainer.checkpoint_every_n_steps=2", *extra)
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args), callbacks=[StopAt(7)])
+        return run / "checkpoints", args
+
+    folder, args = stopped("mine")
+    six, eight = folder / "last-step000000006.ckpt", folder / "last-step000000008.ckpt"
+    six.rename(eight)  # this run's step 6, renamed
+    ckpts.checksum_path(six).unlink()
+    ckpts.checksum_path(eight).write_text(f"{ckpts._sha256(eight)}  {eight.name}\n")
+    before = tree(tmp_path / "mine")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"muoneq: {eight} holds step 6, not the step 8 its name says")
+    assert "move it out of checkpoints/ to resume from the previous checkpoint" in line
+    assert tree(tmp_path / "mine") == before  # refused before anything was written
+
+    other, _ = stopped("other", "optimizer.lr=0.01")
+    for name in (eight.name, f"{eight.name}.sha256"):
+        (folder / name).unlink()
+    for name in (six.name, f"{six.name}.sha256"):
+        (folder / name).write_bytes((other / name).read_bytes())
+    assert main(["train", *args, "resume=auto"]) == 2
+    assert one_line(capsys.readouterr().err).startswith(
+        f"muoneq: {six} is a checkpoint of another run (fingerprint ")
+
+
+def test_a_resume_on_changed_data_is_refused_unless_accepted(tmp_path, capsys):
+    """A paused run whose shard folder was extended with `muoneq data --tokens` (as the docs
+    describe) used to resume silently, ending on neither data's result."""
+    import yaml
+
+    from tests.helpers.language import make_documents, tiny_tiktoken_file, write_corpus
+
+    corpus = write_corpus(tmp_path, "txt", make_documents(400))
+    tokenizer = tiny_tiktoken_file(tmp_path / "tiny.tiktoken")
+    shards = tmp_path / "shards"
+
+    def prepare(tokens: int) -> None:
+        assert main(["data", "--source", str(corpus), "--out", str(shards), "--tokenizer",
+                     str(tokenizer), "--val-tokens", "128", "--shard-tokens", "2000",
+                     "--tokens", str(tokens), "--workers", "1"]) == 0
+
+    prepare(3000)
+    run = tmp_path / "run"
+    args = ["experiment=llama_tiny_shakespeare", f"task.data.dir={shards}",
+            f"task.data.tokenizer={tokenizer}", "task.data.seq_len=32", "task.data.batch_size=4",
+            "task.data.micro_batch_size=2", "task.data.val_tokens=64", "task.model.size=tiny",
+            "task.val_every_n_steps=3", "trainer.max_steps=6", "schedule.warmup_steps=0",
+            "trainer.checkpoint_every_n_steps=2", "trainer.progress=quiet", f"run.dir={run}"]
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(3)])
+    prepare(6000)  # more training tokens in the same folder
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    err = capsys.readouterr().err
+    line = one_line(err)
+    assert line == (f"muoneq: {run}: the data changed since last-step000000002.ckpt was saved "
+                    "(below), so resuming would train the rest of the run on other data than "
+                    "its start; restore the data, or continue on the new data knowingly with "
+                    "run.accept_changed_data=true (its config.yaml records the session), or "
+                    "start the run again in another folder")
+    details = [x.strip() for x in err.splitlines()[1:]]
+    assert details[0].startswith("prepare.json: ") and " → " in details[0]
+    assert details[1:] == ["train: data_train_000001.bin 3024 → 5024 bytes",
+                           "train: data_train_000002.bin added (5024 bytes)"]
+    assert main(["train", *args, "resume=auto", "run.accept_changed_data=true"]) == 0
+    assert (f"muoneq: note: {run} continues on changed data (run.accept_changed_data=true): "
+            "prepare.json: ") in capsys.readouterr().out
+    session = yaml.safe_load((run / "config.yaml").read_text())["provenance"]["resumed"][-1]
+    assert "run.accept_changed_data: false → true" in session["changed"]
+    assert main(["train", *args, "resume=auto"]) == 0  # finished: its result is read back
+
+
+def stopped_at_step_3(data_dir: Path, tmp_path: Path) -> tuple[Path, list[str], Path]:
+    """A run of one epoch (4 steps) saving every 2 steps, crashed at step 3: its folder, its
+    arguments and its one checkpoint (step 2)."""
     run = tmp_path / "run"
     args = tiny(data_dir, "trainer.max_epochs=1", f"run.dir={run}",
                 "trainer.checkpoint_every_n_steps=2")
     with pytest.raises(RuntimeError, match="stopped by the test"):
         train(compose(args), callbacks=[StopAt(3)])
-    two = run / "checkpoints" / "last-step000000002.ckpt"
+    return run, args, run / "checkpoints" / "last-step000000002.ckpt"
+
+
+def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tmp_path, capsys):
+    run, args, two = stopped_at_step_3(reference[0], tmp_path)
     two.write_bytes(two.read_bytes()[:-100])  # cut short
     assert main(["train", *args]) == 2  # resume=never still refuses a folder with checkpoints
     assert "pass resume=auto" in one_line(capsys.readouterr().err)
@@ -154,6 +442,52 @@ def test_every_damaged_checkpoint_is_kept_when_the_run_starts_over(reference, tm
     assert "no intact checkpoint is left: the run starts over" in out
     assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
     assert json.loads((run / "metrics.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("content", ["", "0123abcd  last-step000000002.ckpt\n"],
+                         ids=["empty", "malformed"])
+def test_an_empty_or_malformed_checksum_file_is_a_damaged_checkpoint(reference, tmp_path, capsys,
+                                                                    content):
+    """A power cut during the checksum's write left it empty: the flipped bit it would have
+    caught loaded silently, and the run finished with wrong weights."""
+    run, args, two = stopped_at_step_3(reference[0], tmp_path)
+    flip_a_tensor_byte(two)
+    ckpts.checksum_path(two).write_text(content)
+    what = "empty" if not content else "malformed"
+    assert ckpts.damage(two).startswith(f"its checksum file {two.name}.sha256 is {what} (")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"muoneq: note: {two} is damaged (its checksum file" in out
+    assert "no intact checkpoint is left: the run starts over" in out
+    assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
+
+
+def test_the_checksum_is_on_the_disk_before_the_checkpoint_counts(tmp_path, monkeypatch):
+    """The checksum file is synced and renamed into place, and that rename synced, before the
+    checkpoint's own rename makes it a resume point."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "last-step000000001.ckpt"
+    ChecksummedCheckpointIO().save_checkpoint({"w": torch.ones(3)}, target)
+    sums = str(ckpts.checksum_path(target))
+    sums_synced = next(i for i, (kind, path) in enumerate(events)
+                       if kind == "fsync" and path.endswith(".tmp") and ".sha256." in path)
+    sums_renamed = events.index(("replace", sums))
+    folder_synced = events.index(("fsync", str(tmp_path)), sums_renamed)
+    assert sums_synced < sums_renamed < folder_synced < events.index(("replace", str(target)))
+    assert ckpts.damage(target) is None
 
 
 def test_checkpoint_io_writes_in_place_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
@@ -341,6 +675,62 @@ def test_a_signal_saves_the_current_step_and_says_how_to_continue(tmp_path, sign
                        "trainer.progress=quiet")), callbacks=[reference])
     for s, loss in losses.by_step.items():
         assert loss == reference.by_step[s], s
+
+
+class SignalAt(L.Callback):
+    """Send ``signum`` to this process when the first batch of an evaluation starts (``fn``:
+    fit, validate or test) at optimizer step ``step``."""
+
+    def __init__(self, signum: int, fn: str, step: int) -> None:
+        self.signum, self.fn, self.step, self.sent = signum, fn, step, False
+
+    def _send(self, trainer) -> None:
+        if not self.sent and trainer.state.fn == self.fn and trainer.global_step == self.step:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer, *args) -> None:
+        self._send(trainer)
+
+    def on_test_batch_start(self, trainer, *args) -> None:
+        self._send(trainer)
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """Uninterrupted runs of 3 and 4 steps with a validation set (3 steps per epoch)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    torch.set_num_threads(1)
+    return tmp, {steps: train(compose(tiny(tmp, "task.data.val_size=8",
+                                           f"trainer.max_steps={steps}",
+                                           f"run.dir={tmp / str(steps)}")))
+                 for steps in (3, 4)}
+
+
+@pytest.mark.parametrize(("signum", "fn", "steps"), [
+    (signal.SIGTERM, "fit", 3), (signal.SIGTERM, "validate", 4), (signal.SIGTERM, "test", 4),
+    (signal.SIGINT, "validate", 4)],
+    ids=["SIGTERM-last-validation-of-the-fit", "SIGTERM-final-validation", "SIGTERM-test",
+         "SIGINT-final-validation"])
+def test_a_signal_after_the_last_step_is_an_interruption(finished_runs, tmp_path, signum, fn,
+                                                         steps):
+    """SIGTERM during the final validation used to exit 0 with no metrics.json and no message
+    (Lightning's SIGTERM handler ends with a SystemExit of status 0): a scheduler counted an
+    unfinished run as done."""
+    data_dir, reference = finished_runs
+    run = tmp_path / "run"
+    args = tiny(data_dir, "task.data.val_size=8", f"trainer.max_steps={steps}",
+                f"run.dir={run}")
+    with pytest.raises(Interrupted) as err:
+        train(compose(args), callbacks=[SignalAt(signum, fn, steps)])
+    assert err.value.exit_code == 128 + signum
+    assert (f"training of {run} stopped by {signal.Signals(signum).name} during its final "
+            f"validation or test after step {steps}, saved as "
+            f"checkpoints/last-step{steps:09d}.ckpt; continue it with: ") in str(err.value)
+    assert not (run / "metrics.json").exists()
+    metrics = train(compose([*args, "resume=auto"]))  # the evaluation is done again
+    for key in ("final", "best", "test/acc", "global_step"):
+        assert metrics[key] == reference[steps][key], key
 
 
 def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):

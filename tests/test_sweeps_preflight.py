@@ -117,9 +117,55 @@ def test_make_report_skips_a_study_without_results_and_reports_the_others(tmp_pa
               state=optuna.trial.TrialState.FAIL)
     done = make("report", f"RUNS={runs}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"muoneq report: skipped study empty ({runs / 'empty'}): no finished run yet" \
-        in done.stdout
+    assert f"muoneq report: skipped study empty ({runs / 'empty'}): it has no finished run " \
+        "yet" in done.stdout
     assert (runs / "tiny" / "report" / "report.md").is_file()
     assert not (runs / "empty" / "report").exists()
     assert json.loads((runs / "tiny" / "trials").joinpath(
         "optimizer=muon_nes,optimizer.lr=0.02", "seed0", "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_grid_values_that_would_share_a_run_folder_are_refused(tmp_path, capsys, dry_run):
+    """A data path a/b and the value a_b map to one folder name: the second point could never
+    run, and the preflight was silent."""
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], grid=[
+        {"optimizer.lr": [0.02], "data": ["a/b", "a_b"]}])
+    runs = tmp_path / "runs"
+    assert main(["sweep", str(sweep), "--runs-dir", str(runs),
+                 *(["--dry-run"] if dry_run else [])]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert err == ("muoneq: points 'optimizer.lr=0.02 data=a/b' and 'optimizer.lr=0.02 data=a_b' "
+                   "would share the run folder trials/optimizer.lr=0.02,data=a_b/ (their values "
+                   "differ only in characters a folder name cannot hold), so the second could "
+                   "never run; change one of the values (a symbolic link or a copy of the file "
+                   "under another name, say)")
+    assert not runs.exists()
+
+
+def test_the_preflight_composes_each_value_of_each_config_shape_once(tmp_path):
+    """Every point of a 1,000-point grid used to be composed (31 s): each config shape is now
+    composed with every value of every axis once, which still finds a bad value wherever it
+    sits in the grid."""
+    from muoneq.suite.sweeps.spec import SweepError
+    from muoneq.suite.sweeps.validate import check_trials
+
+    def grid(momenta):
+        return [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.01 * (i + 1) for i in range(10)],
+                 "optimizer.momentum": momenta,
+                 "optimizer.weight_decay": [0.01 * i for i in range(10)]},
+                {"optimizer": ["adamw"], "optimizer.lr": [0.001, 0.002]}]
+
+    def sweep(momenta) -> object:
+        return load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0, 1], grid=grid(momenta),
+                                      experiment="cifar10_resnet18",
+                                      objective={"metric": "test/acc", "direction": "maximize"},
+                                      overrides=[], launch={}))
+
+    momenta = [0.8 + 0.01 * i for i in range(10)]
+    spec = sweep(momenta)
+    assert len(spec.points()) == 1002
+    assert check_trials(spec, tmp_path / "runs" / "tiny") == (1 + 9 + 9 + 9) + (1 + 1)
+    with pytest.raises(SweepError, match=r"point 'optimizer=muoneq_nes optimizer\.lr=0\.01 "
+                                         r"optimizer\.momentum=1\.5 .* is not a valid training"):
+        check_trials(sweep([*momenta[:-1], 1.5]), tmp_path / "runs" / "tiny")

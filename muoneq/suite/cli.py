@@ -10,8 +10,10 @@ The commands are the experiment suite's: without its packages (``pip install "mu
 a command says so in one line, naming the missing module.
 
 Expected mistakes (:class:`muoneq.suite.errors.UserError`) are printed as one line,
-``muoneq: <what>; <how to fix>``, with exit status 2; ``--debug`` (anywhere on the command line)
-or ``MUONEQ_DEBUG=1`` shows their traceback instead.
+``muoneq: <what>; <how to fix>``, with exit status 2 (a full disk 4, a divergence 3, a signal
+130/143), and so is a file or folder the user may not read or write, or a read-only disk
+(:func:`muoneq.suite.files.no_access`); ``--debug`` (anywhere on the command line) or
+``MUONEQ_DEBUG=1`` shows their traceback instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 
 from muoneq.suite.errors import UserError, format_error
+from muoneq.suite.files import NO_ACCESS, no_access
 
 #: What installs every command's dependencies (the library alone needs torch and numpy).
 SUITE_INSTALL = 'pip install "muoneq[suite]"'
@@ -100,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     module = commands[name][0]
     try:
         return int(importlib.import_module(module).main(rest) or 0)
-    except UserError as err:
-        if debug:
+    except (UserError, OSError) as err:
+        if debug or not (isinstance(err, UserError) or err.errno in NO_ACCESS):
             raise
+        err = err if isinstance(err, UserError) else no_access(err)
         # one write: the processes of a distributed run share the stream, and print() writes
         # the newline apart, so that their lines could run together
         sys.stderr.write(format_error(err) + "\n")

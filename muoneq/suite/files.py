@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from muoneq.suite.errors import DiskFull
+from muoneq.suite.errors import DiskFull, UserError
 
 
 def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str = "") -> str:
@@ -25,6 +25,19 @@ def slug(text: str, *, keep: str = "A-Za-z0-9.=+-", sep: str = "_", empty: str =
 
 #: ``errno`` values of a full disk or an exhausted quota.
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+#: ``errno`` values of a file or folder this user may not read or write (or a read-only disk).
+NO_ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def no_access(err: OSError) -> UserError:
+    """The one-line :class:`~muoneq.suite.errors.UserError` for an ``OSError`` of
+    :data:`NO_ACCESS`, naming the file or folder."""
+    where = err.filename or "a file or folder"
+    if err.errno == errno.EROFS:
+        return UserError(f"{where} is on a read-only file system, so it cannot be written; write "
+                         "to a writable disk (run.root, run.dir or --runs-dir) or remount it")
+    return UserError(f"{where}: permission denied ({err.strerror}); give your user access to it "
+                     "(ls -l, chmod, chown), or choose another file or folder")
 
 
 @contextlib.contextmanager
@@ -57,7 +70,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
     one per process, so processes writing the same file at once never mix), renamed over
     ``path`` when the block ends without an error and deleted otherwise, so a kill or an error
     leaves the old file or the new one, whole. ``fsync``: the data reach the disk before the
-    rename (a power cut too keeps one whole file). A full disk raises
+    rename, and the rename before the block returns (a power cut too keeps one whole file).
+    A full disk raises
     :class:`~muoneq.suite.errors.DiskFull` naming ``path`` (``then``: see
     :func:`reporting_full_disk`). ``open_args`` go to :func:`open`
     (``newline=""`` for :mod:`csv`)."""
@@ -71,8 +85,22 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
+            if fsync:
+                _fsync_folder(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (its entry table on the disk)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:  # a file system that cannot sync a folder (some network ones)
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:

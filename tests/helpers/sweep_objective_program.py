@@ -10,7 +10,8 @@ use it where they test the driver's bookkeeping, not a training run. Other ``key
 ``starts.log``, so tests can count how often a run folder was executed. With
 ``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
 ``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
-``muoneq`` does for a config error.
+``muoneq`` does for a config error; with ``disk_full=true``, with status 4 and the line
+``muoneq train`` prints for a full disk.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def main(argv: list[str]) -> int:
     if args.get("config_error") == "true":
         print("muoneq: config_error=true; this run is told to fail as a config error")
         return 2
+    if args.get("disk_full") == "true":
+        print(f"muoneq: no space left on the disk holding {run_dir}/checkpoints/last-step"
+              "000000004.ckpt (0.00 GiB free); free space there (old runs, checkpoints) or write "
+              "to a larger disk; then continue the run with resume=auto", file=sys.stderr)
+        return 4
     time.sleep(float(args.get("sleep_s", "0")))
     if args.get("fail_first") == "true" and not (run_dir / "failed_once").exists():
         (run_dir / "failed_once").write_text("")

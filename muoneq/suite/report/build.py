@@ -38,9 +38,9 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     the objective at each setting's best learning rate (if there is an ``optimizer.lr`` axis)
     is written.
     """
-    if not data.runs:
-        raise SweepError(f"study {data.spec.study!r} has no finished run yet; wait for its "
-                         "first run to finish (muoneq sweep … --status counts them)")
+    why = nothing_to_report(data)
+    if why is not None:
+        raise SweepError(f"study {data.spec.study!r} {why}")
     out_dir = Path(out_dir or data.study_dir / "report")
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = None
@@ -73,6 +73,22 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     (out_dir / "report.md").write_text(report.markdown)
     report.files.append(out_dir / "report.md")
     return report
+
+
+def nothing_to_report(data: StudyData) -> str | None:
+    """Why no table or figure of the study would hold a value (no finished run yet, or every
+    finished run diverged), with what to do; None when there is something to report."""
+    if not data.runs:
+        return ("has no finished run yet; wait for its first run to finish (muoneq sweep … "
+                "--status counts them)")
+    if any(run.get("_status") != "diverged" for run in data.runs):
+        return None
+    first = data.runs[0]
+    example = (f" ({first['_run_dir']} at step {first['diverged_at_step']}: {first['diverged']})"
+               if first.get("diverged") else "")
+    return (f"has {len(data.runs)} finished runs and every one diverged{example}, so no table "
+            "or figure would hold a value; run it again with lower learning rates (the grid "
+            "extended below its lowest optimizer.lr) or a larger trainer.divergence_patience")
 
 
 def _header(data: StudyData) -> str:

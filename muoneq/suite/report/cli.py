@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from muoneq.suite.report.build import write_report
+from muoneq.suite.report.build import nothing_to_report, write_report
 from muoneq.suite.report.records import load_study_data
 
 
@@ -27,13 +27,14 @@ def main(argv: list[str]) -> int:
                    "<study>/report)")
     p.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard images")
     p.add_argument("--skip-empty", action="store_true",
-                   help="a study without a finished run is skipped with one line (exit 0) "
-                        "instead of an error (`make report` over every study)")
+                   help="a study without a finished run, or whose runs all diverged, is "
+                        "skipped with one line (exit 0) instead of an error (`make report` "
+                        "over every study)")
     args = p.parse_args(argv)
     data = load_study_data(args.target, storage=args.storage, runs_dir=args.runs_dir)
-    if not data.runs and args.skip_empty:
-        print(f"muoneq report: skipped study {data.spec.study} ({data.study_dir}): no finished "
-              "run yet")
+    why = nothing_to_report(data)
+    if why is not None and args.skip_empty:
+        print(f"muoneq report: skipped study {data.spec.study} ({data.study_dir}): it {why}")
         return 0
     report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
     print(report.markdown)

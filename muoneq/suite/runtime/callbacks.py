@@ -5,11 +5,13 @@ SIGINT/SIGTERM (:class:`Interruption`), both raising :class:`Stop`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -267,16 +269,22 @@ class Divergence(_AtStepEnd):
 
 
 class Interruption(_AtStepEnd):
-    """SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill) while training: the current
-    optimizer step is finished, ``last-step<N>.ckpt`` is saved for it (``save``, the resume
-    point's saver) and the run ends with :class:`Stop`, so that ``resume=auto`` loses nothing.
+    """SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill) during a run: it ends with
+    :class:`Stop` and a checkpoint to continue from, so that ``resume=auto`` loses nothing, and
+    an interrupted run never counts as finished.
 
-    The processes decide together at the end of every optimizer step, so a signal that reaches
-    one rank stops all of them at the same step. A second Ctrl-C stops at once (Python's
-    ``KeyboardInterrupt``). The handlers are installed only while training runs (from
-    ``on_train_start``, replacing Lightning's SIGTERM handler, which would stop at the next
-    epoch boundary without a checkpoint), and the previous ones are restored afterwards. A
-    signal during a validation is acted on at the end of the next training step.
+    While training, the current optimizer step is finished and ``last-step<N>.ckpt`` is saved for
+    it (``save``, the resume point's saver). After the last step (the final validation and test,
+    :meth:`after_training`), the evaluation runs to its end, the last step is saved and the run
+    stops instead of writing ``metrics.json``. The processes decide together (at the end of every
+    optimizer step, and once after the last one), so a signal that reaches one rank stops all of
+    them at the same step. A second Ctrl-C stops at once (Python's ``KeyboardInterrupt``).
+
+    The handlers are installed for the block of :meth:`installed` (``train``: the whole session).
+    Lightning installs its own SIGTERM handler whenever ``fit``, ``validate`` or ``test`` begins
+    (it would end the run at the next batch with a ``SystemExit`` of status 0 and no checkpoint),
+    so ours take over again when training, a validation or a test starts (Lightning restores the
+    handlers it found when each ends); used without :meth:`installed`, they act while training.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -284,32 +292,53 @@ class Interruption(_AtStepEnd):
     def __init__(self, save) -> None:
         self.save = save
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.signum = signum
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.signum = None
+    def _take_over(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            for s in self.SIGNALS:
+                signal.signal(s, self._handle)
 
-    def _restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers for the block (the previous ones restored after it)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self.signum = None
+        self._take_over()
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._restore()
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._take_over()
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self._restore()
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._take_over()
 
-    def step_end(self, trainer) -> None:
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._take_over()
+
+    def _stop(self, trainer, when: str = "") -> None:
+        """:class:`Stop` with a saved checkpoint when a signal reached any rank."""
         if _any_rank(trainer, self.signum is not None):
             checkpoint = self.save(trainer)
             name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
-            raise Stop(trainer.global_step, f"stopped by {name}", checkpoint,
+            raise Stop(trainer.global_step, f"stopped by {name}{when}", checkpoint,
                        self.signum or signal.SIGTERM)
+
+    def step_end(self, trainer) -> None:
+        self._stop(trainer)
+
+    def after_training(self, trainer) -> None:
+        """Once the final validation and test are done: stop if a signal came meanwhile (the
+        last step is saved, so that the run continues with its evaluation)."""
+        self._stop(trainer, " during its final validation or test")

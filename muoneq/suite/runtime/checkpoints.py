@@ -14,6 +14,12 @@
   a folder, by its ``.metadata``, written last).
 * **Pruned.** :class:`LastCheckpoint` deletes every older ``last-step<N>.ckpt`` once a newer
   one is complete, those of earlier sessions included, so a run keeps one resume point.
+* **Stamped.** :class:`RunStamp` writes into every checkpoint the run it belongs to (the
+  fingerprint of its ``config.yaml``), the step it holds and the data it trained on (the task's
+  :meth:`~muoneq.suite.runtime.TaskDataModule.data_identity`, e.g. the language task's shard
+  names and sizes); :func:`read_stamp` reads them back before a resume, so that a checkpoint of
+  another run, one renamed to another step, or data changed since it was saved are refused
+  (:func:`muoneq.suite.runtime.run.train`) instead of resumed from.
 
 torch's own integrity data is not enough alone: ``torch.load`` does not check the CRC-32s, so a
 flipped byte in a tensor loads without a word; a SHA-256 is recorded here because no Lightning
@@ -29,12 +35,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from muoneq.suite.errors import UserError
-from muoneq.suite.files import atomic_open, atomic_write, reporting_full_disk
+from muoneq.suite.files import NO_ACCESS, atomic_open, reporting_full_disk
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -44,10 +51,25 @@ BEST_NAME = "best"
 CHECKSUM_SUFFIX = ".sha256"
 DAMAGED_SUFFIX = ".damaged"
 _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
+#: A line of a ``.sha256`` file (``sha256sum``'s format).
+_SUM_LINE = re.compile(r"([0-9a-f]{64})  (\S.*)")
+
+
+#: The key of a checkpoint holding its :class:`RunStamp`.
+STAMP_KEY = "muoneq_run"
+#: The file of a distributed checkpoint (a folder) that holds everything but the tensors
+#: (Lightning's ``ModelParallelStrategy``).
+_FOLDER_METADATA = "meta.pt"
 
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded (the message names the file)."""
+
+
+def step_of(path: Path) -> int | None:
+    """The step a ``last-step<N>.ckpt`` name says (None for another name)."""
+    match = _LAST.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def checksum_path(path: Path) -> Path:
@@ -61,9 +83,30 @@ def _sha256(path: Path) -> str:
 
 def _write_checksums(checkpoint: Path, sums: dict[str, str]) -> None:
     """``checkpoint.sha256``: one ``<sha256>  <path relative to the checkpoints folder>`` line
-    per file, written atomically."""
-    atomic_write(checksum_path(checkpoint),
-                 "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+    per file, written durably (on the disk, then renamed into place: a power cut leaves the old
+    file or the new one, never an empty one)."""
+    with atomic_open(checksum_path(checkpoint), fsync=True) as f:
+        f.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+
+
+def _listed(checkpoint: Path, sums: Path) -> dict[str, str] | str:
+    """The files ``sums`` lists for ``checkpoint`` (name → SHA-256), or why it cannot be
+    trusted: every line ``<64 hex digits>  <name>``, at least one, each name the checkpoint
+    itself (a file) or inside it (a folder)."""
+    text = sums.read_text(errors="replace")
+    listed = {}
+    for line in text.splitlines():
+        match = _SUM_LINE.fullmatch(line)
+        if match is None:
+            return f"its checksum file {sums.name} is malformed (a write cut short or edited)"
+        listed[match.group(2)] = match.group(1)
+    if not listed:
+        return f"its checksum file {sums.name} is empty (a write cut short)"
+    inside = (checkpoint.name,) if not checkpoint.is_dir() else ()
+    for name in listed:
+        if name not in inside and not name.startswith(f"{checkpoint.name}/"):
+            return f"its checksum file {sums.name} lists {name}, not a file of {checkpoint.name}"
+    return listed
 
 
 def record_folder_checksums(checkpoint: Path) -> None:
@@ -80,8 +123,10 @@ def damage(checkpoint: Path) -> str | None:
     if not checkpoint.exists():
         return "it is missing"
     if sums.is_file():
-        for line in sums.read_text().splitlines():
-            digest, _, name = line.partition("  ")
+        listed = _listed(checkpoint, sums)
+        if isinstance(listed, str):
+            return listed
+        for name, digest in listed.items():
             part = checkpoint.parent / name
             if not part.is_file():
                 return f"{name} is missing"
@@ -95,9 +140,78 @@ def damage(checkpoint: Path) -> str | None:
     try:
         with zipfile.ZipFile(checkpoint) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError):
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        if isinstance(err, OSError) and err.errno in NO_ACCESS:
+            raise  # unreadable is not damaged: said by the command (no_access)
         return "it is not a complete checkpoint (cut short or overwritten)"
     return None if bad is None else f"the CRC-32 of its record {bad} does not match"
+
+
+class RunStamp(L.Callback):
+    """Writes ``{"fingerprint", "step", "data"}`` under :data:`STAMP_KEY` into every checkpoint
+    of the run: the run's fingerprint (its ``config.yaml``'s), the global step and the identity
+    of its data (None: the task does not say)."""
+
+    def __init__(self, fingerprint: str, data: dict | None) -> None:
+        self.fingerprint, self.data = fingerprint, data
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[STAMP_KEY] = {"fingerprint": self.fingerprint, "step": trainer.global_step,
+                                 "data": self.data}
+
+
+def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
+    """The global step a checkpoint holds and its :class:`RunStamp` (None for a checkpoint
+    written before stamps), read without loading its tensors (memory-mapped). Read as Lightning
+    reads it to resume right after (``weights_only=False``: a checkpoint whose checksums were
+    just verified, and may hold the hyper-parameters Lightning saves)."""
+    path = checkpoint / _FOLDER_METADATA if checkpoint.is_dir() else checkpoint
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=not checkpoint.is_dir(),
+                           weights_only=False)
+    except Exception as err:
+        if isinstance(err, OSError) and err.errno in NO_ACCESS:
+            raise  # unreadable: said by the command (no_access)
+        raise CheckpointError(
+            f"{checkpoint} cannot be read ({type(err).__name__}): it is damaged or not a "
+            "checkpoint of muoneq train; move it out of the checkpoints folder to resume from "
+            "the previous one, or start the run again in another folder") from None
+    step = saved.get("global_step") if isinstance(saved, dict) else None
+    stamp = saved.get(STAMP_KEY) if isinstance(saved, dict) else None
+    return step, stamp if isinstance(stamp, dict) else None
+
+
+def data_changes(before: dict | None, now: dict | None) -> list[str]:
+    """What changed between two data identities (:class:`RunStamp`), one line each: a list of
+    ``[name, size]`` pairs (files) compared file by file, any other value as a whole; nothing
+    when either is unknown (None)."""
+    if before is None or now is None:
+        return []
+    lines = []
+    for key in sorted(before.keys() | now.keys()):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if _files(old) and _files(new):
+            was, is_ = dict(map(tuple, old)), dict(map(tuple, new))
+            lines += [f"{key}: {name} removed" if name not in is_ else
+                      f"{key}: {name} added ({is_[name]} bytes)" if name not in was else
+                      f"{key}: {name} {was[name]} → {is_[name]} bytes"
+                      for name in sorted(was.keys() | is_.keys())
+                      if was.get(name) != is_.get(name)] or [f"{key}: the files' order changed"]
+        else:
+            lines.append(f"{key}: {_short(old)} → {_short(new)}")
+    return lines
+
+
+def _short(value) -> str:
+    """A value for a message: a long text (a hash) by its first 12 characters."""
+    return f"{value[:12]}…" if isinstance(value, str) and len(value) > 16 else str(value)
+
+
+def _files(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) for item in value)
 
 
 def last_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -118,15 +232,6 @@ def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             return path, damaged
         damaged.append((path, reason))
     return None, damaged
-
-
-def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours: see
-    :func:`muoneq.suite.files.atomic_open`) from a run folder's checkpoints; return them."""
-    partial = [p for p in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp") if p.is_file()]
-    for path in partial:
-        path.unlink()
-    return partial
 
 
 def set_aside(path: Path) -> Path:

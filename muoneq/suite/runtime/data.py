@@ -120,6 +120,14 @@ class TaskDataModule(L.LightningDataModule):
     def world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
 
+    def data_identity(self) -> dict | None:
+        """What identifies the data this run trains and validates on, as plain JSON data (e.g.
+        file names and sizes), or None when the task does not say. Every checkpoint records it
+        (:class:`~muoneq.suite.runtime.checkpoints.RunStamp`) and a resume whose data changed is
+        refused (``run.accept_changed_data=true`` continues on the new data knowingly). Called
+        before ``setup``, on every process."""
+        return None
+
     def worker_init_fn(self):
         """The ``worker_init_fn`` of this process's loaders (:func:`worker_init`)."""
         return functools.partial(worker_init, rank=self.rank)

@@ -103,8 +103,9 @@ def read_record(run_dir: Path) -> dict | None:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         return None
+    text = path.read_text(errors="replace")  # unreadable: one line by the command (no_access)
     try:
-        document = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        document = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
     except Exception:  # not YAML, or not a mapping: not one of ours either
         document = None
     provenance = document.get("provenance") if isinstance(document, dict) else None

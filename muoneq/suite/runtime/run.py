@@ -11,6 +11,8 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
                       each with its SHA-256 (:mod:`muoneq.suite.runtime.checkpoints`)
     metrics.json      final figures; written last, only by a run that finished or diverged
                       (its "status")
+    .run.lock         held by the run's one writer while it runs
+                      (:mod:`muoneq.suite.runtime.run_folder`)
 
 A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
 ``status`` as how it ended.
@@ -18,11 +20,12 @@ A sweep driver may treat the presence of ``metrics.json`` as the end of the run,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
-import shutil
+import signal
 import time
 from pathlib import Path
 from typing import NamedTuple, NoReturn
@@ -30,6 +33,8 @@ from typing import NamedTuple, NoReturn
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,8 +42,8 @@ import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.errors import Diverged, Interrupted
 from muoneq.suite.files import atomic_write, reporting_full_disk
-from muoneq.suite.runtime import checkpoints, record
-from muoneq.suite.runtime.callbacks import LastValidation, StepStats, Stop
+from muoneq.suite.runtime import checkpoints, record, run_folder
+from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop
 from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
@@ -87,24 +92,6 @@ def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
         return {}
     dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)
     return {"ns_dtype": dtype_name(dtype)}
-
-
-def _clear_attempt(run_dir: Path) -> None:
-    """Remove the TensorBoard events and checkpoints of an earlier attempt in this run folder
-    that left no checkpoint to resume from (its curves would mix with this run's). Called only
-    for a folder whose ``config.yaml`` is ours (:func:`muoneq.suite.runtime.record.read_record`);
-    checkpoints set aside as damaged are kept, and nothing else is ever deleted."""
-    made = [p for p in (run_dir / CHECKPOINT_DIR).glob("*")
-            if checkpoints.DAMAGED_SUFFIX not in p.name]
-    made += [run_dir / TENSORBOARD_DIR] if (run_dir / TENSORBOARD_DIR).is_dir() else []
-    if made:
-        print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
-              "resume from; starting over (its tensorboard/ and checkpoints are removed)")
-    for path in made:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def _read_finished(metrics_path: Path) -> dict:
@@ -168,22 +155,46 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     :func:`muoneq.suite.runtime.record.check_same_run`).
     Extra Lightning ``callbacks`` (e.g. a pruning callback) are added to the trainer's.
 
-    Checkpoints are verified before a resume: a damaged one is named, kept as ``*.damaged`` and
-    the previous intact one is used (:mod:`muoneq.suite.runtime.checkpoints`). A NaN/inf loss or
-    validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
-    :class:`~muoneq.suite.errors.Diverged`; SIGINT/SIGTERM saves the current step and raises
+    The run folder has one writer: a second run there is refused naming the first, and links
+    and cleaning follow :mod:`muoneq.suite.runtime.run_folder`. Checkpoints are verified before a
+    resume: a damaged one is named, kept as ``*.damaged`` and the previous intact one is used; one
+    of another run or step, or data changed since it was saved (unless
+    ``run.accept_changed_data``), is refused (:mod:`muoneq.suite.runtime.checkpoints`). A NaN/inf
+    loss or validation metric writes ``metrics.json`` with ``"status": "diverged"`` and raises
+    :class:`~muoneq.suite.errors.Diverged`; SIGINT/SIGTERM, while training or during the final
+    validation and test, saves the current step and raises
     :class:`~muoneq.suite.errors.Interrupted` with the command that continues the run; a full disk
     raises :class:`~muoneq.suite.errors.DiskFull` naming the folder.
     """
     started = time.perf_counter()
     check_accelerator(cfg.trainer)  # first: nothing else matters on the wrong machine
     run_dir = run_dir_of(cfg)
+    notes = run_folder.check_paths(cfg, run_dir)
+    _check_ours(run_dir)  # before the lock is made there: a folder not ours is left untouched
+    # one writer per run folder: rank 0 holds it for every process of its run
+    writer = run_folder.hold(run_dir, argv) if rank_zero_only.rank == 0 else (
+        contextlib.nullcontext())
+    with writer:
+        for note in notes if rank_zero_only.rank == 0 else ():
+            print(note)
+        return _train(cfg, run_dir, callbacks, argv, started)
+
+
+def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
+           started: float) -> dict:
+    """:func:`train` once the run folder is this run's alone."""
     start = _resume_or_refuse(cfg, run_dir)
     if start.finished is not None:
         return start.finished
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = get_task(cfg.task.name).build(cfg)
+    data = getattr(datamodule, "data_identity", lambda: None)()
+    if start.checkpoint is not None:
+        _check_stamp(cfg, run_dir, start, data)
+    fingerprint = (start.previous["provenance"]["fingerprint"] if start.checkpoint is not None
+                   else record.config_fingerprint(record.resolved(cfg)))
+    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data)]
     if cfg.spectra.enabled:
         callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
     trainer = build_trainer(
@@ -196,13 +207,11 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     if trainer.is_global_zero:
         _open_session(trainer, cfg, module, run_dir, start, argv)
 
-    _fit(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv, started)
-    fit_metrics, best, final = _scores(trainer, module, datamodule)
-    return _write_metrics(trainer, cfg, module, run_dir, started, {
-        "status": "finished", "best": best, "final": final,
-        **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")},
-        **_test_metrics(trainer, module, datamodule),
-    })
+    interruption = _callback(trainer, Interruption)
+    with interruption.installed():  # until metrics.json is written: a signal is never lost
+        figures = _session(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv,
+                           started)
+        return _write_metrics(trainer, cfg, module, run_dir, started, figures)
 
 
 class _Start(NamedTuple):
@@ -216,18 +225,26 @@ class _Start(NamedTuple):
     finished: dict | None = None
 
 
+def _check_ours(run_dir: Path) -> dict | None:
+    """The run folder's ``config.yaml`` record (None: a new run); :class:`RunFolderError` for a
+    folder that holds what ``muoneq train`` writes but is not a run folder of it. Reads only."""
+    previous = record.read_record(run_dir)
+    if previous is None and not (run_dir / METRICS_FILE).is_file() and (
+            checkpoints.last_checkpoints(run_dir) or (run_dir / TENSORBOARD_DIR).is_dir()):
+        raise RunFolderError(
+            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
+            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
+            "run.name")
+    return previous
+
+
 def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
     """Read ``run_dir`` under ``cfg.resume``: refuse a folder that is not a run folder, or that
     holds another run or a finished one without ``resume=auto``; else say where to start."""
     metrics_path = run_dir / METRICS_FILE
     finished = metrics_path.is_file()
     stored = [] if finished else checkpoints.last_checkpoints(run_dir)
-    previous = record.read_record(run_dir)
-    if previous is None and not finished and (stored or (run_dir / TENSORBOARD_DIR).is_dir()):
-        raise RunFolderError(
-            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
-            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
-            "run.name")
+    previous = _check_ours(run_dir)
     if not (finished or stored):
         return _Start(previous)
     what = f"a finished run ({METRICS_FILE})" if finished else "an unfinished run's checkpoints"
@@ -253,6 +270,39 @@ def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
     return _Start(previous, checkpoint, damaged)
 
 
+def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None) -> None:
+    """Refuse to resume from a checkpoint that another run saved, that holds another step than
+    its name says, or whose data changed since (unless ``run.accept_changed_data``): what its
+    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run."""
+    path = start.checkpoint
+    step, stamp = checkpoints.read_stamp(path)
+    how = (f"move it out of {CHECKPOINT_DIR}/ to resume from the previous checkpoint, or start "
+           "the run again in another folder (another run.dir or run.name)")
+    named = checkpoints.step_of(path)
+    if step is not None and step != named:
+        raise checkpoints.CheckpointError(
+            f"{path} holds step {step}, not the step {named} its name says (a checkpoint "
+            f"renamed or copied in); {how}")
+    if stamp is None:
+        return  # saved before checkpoints were stamped
+    fingerprint = start.previous["provenance"]["fingerprint"]
+    if stamp.get("fingerprint") != fingerprint:
+        raise checkpoints.CheckpointError(
+            f"{path} is a checkpoint of another run (fingerprint {stamp.get('fingerprint')}; "
+            f"this run's {CONFIG_FILE} says {fingerprint}); {how}")
+    changed = checkpoints.data_changes(stamp.get("data"), data)
+    if changed and not cfg.run.accept_changed_data:
+        raise RunFolderError(
+            f"{run_dir}: the data changed since {path.name} was saved (below), so resuming "
+            "would train the rest of the run on other data than its start; restore the data, "
+            "or continue on the new data knowingly with run.accept_changed_data=true (its "
+            f"{CONFIG_FILE} records the session), or start the run again in another folder",
+            details=changed)
+    if changed and rank_zero_only.rank == 0:
+        print(f"muoneq: note: {run_dir} continues on changed data "
+              f"(run.accept_changed_data=true): {'; '.join(changed)}")
+
+
 def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,
                   argv: list[str] | None) -> None:
     """On rank 0: set the damaged checkpoints aside, record the session (a new run's
@@ -264,13 +314,13 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
         kept = checkpoints.set_aside(path)
         print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
               f"{then}")
+    run_folder.remove_partial_writes(run_dir)  # of a killed session's last writes
     if start.checkpoint is None:
         if start.previous is not None:
-            _clear_attempt(run_dir)
+            run_folder.clear_attempt(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
     else:
-        checkpoints.remove_partial_writes(run_dir)  # of the killed session's last write
         record.add_session(run_dir, start.previous, cfg, argv, start.checkpoint, auto)
         print(f"muoneq: resuming {run_dir} from {start.checkpoint.name}")
     summary = ["metrics/best", "metrics/final"] if module.monitor else []
@@ -278,14 +328,18 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
         _declare_hparams(trainer, cfg, [*summary, *module.hparam_metrics])
 
 
-def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
-         checkpoint: Path | None, argv: list[str] | None, started: float) -> None:
-    """``trainer.fit`` from ``checkpoint``; a divergence is recorded and raised as
-    :class:`~muoneq.suite.errors.Diverged`, a signal as
+def _session(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
+             checkpoint: Path | None, argv: list[str] | None, started: float) -> dict:
+    """``trainer.fit`` from ``checkpoint``, then the final validation and test: the figures of a
+    finished run. A divergence is recorded and raised as
+    :class:`~muoneq.suite.errors.Diverged`, a signal (during training or after it) as
     :class:`~muoneq.suite.errors.Interrupted`."""
     try:
         with reporting_full_disk(run_dir, then="re-run the same command with resume=auto"):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+            fit_metrics, best, final = _scores(trainer, module, datamodule)
+            tests = _test_metrics(trainer, module, datamodule)
+            _callback(trainer, Interruption).after_training(trainer)
     except Stop as stop:
         if stop.checkpoint is None:
             _diverged(trainer, cfg, module, run_dir, stop, started)
@@ -293,6 +347,13 @@ def _fit(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: Path,
             f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
             f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
             f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+    except SIGTERMException:  # Lightning's handler saw it first (before training began)
+        raise Interrupted(
+            f"training of {run_dir} stopped by SIGTERM at step {trainer.global_step}, before the "
+            f"step could be saved; continue it from its last checkpoint with: "
+            f"{continue_command(argv)}", exit_code=128 + signal.SIGTERM) from None
+    return {"status": "finished", "best": best, "final": final,
+            **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")}, **tests}
 
 
 def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None, float | None]:
@@ -302,8 +363,10 @@ def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None,
     if module.monitor is None:
         return fit_metrics, None, None
     best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
-    if _callback(trainer, LastValidation).step != trainer.global_step:
-        # the budget ended between validations: validate the final weights once more
+    if (_callback(trainer, LastValidation).step != trainer.global_step
+            or module.monitor not in trainer.callback_metrics):
+        # the budget ended between validations, or a session that trained nothing continues a
+        # run stopped after its last step: validate the final weights (once more)
         fit_metrics |= {k: _number(v) for k, v in trainer.validate(
             module, datamodule=datamodule, verbose=False)[0].items()}
         _keep_best(trainer, best_cb, fit_metrics.get(module.monitor), module.monitor_mode)

@@ -146,8 +146,8 @@ def _dry_run(spec, options: DriverOptions) -> int:
                                                                          spec.seeds[0]))
     print("first command:", shlex.join(argv))
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
-          + ({"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)"}
-             .get(spec.kind, ""))
+          + {"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)",
+             "grid": " (every value of every axis, once in each config shape)"}[spec.kind]
           + f"; objective {spec.objective.metric} and the report's metrics are keys of their "
             f"{METRICS_FILE}"
           if composed else "not checked: launch.command does not run `muoneq train`")

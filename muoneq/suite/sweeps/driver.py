@@ -47,8 +47,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from muoneq.suite.errors import DiskFull
-from muoneq.suite.files import FULL_DISK, full_disk
+from muoneq.suite.errors import DiskFull, UserError
+from muoneq.suite.files import FULL_DISK, NO_ACCESS, full_disk, no_access
 from muoneq.suite.sweeps import hparams
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
@@ -113,13 +113,15 @@ class Driver:
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
         self._lock = threading.Lock()
-        self.failure: DiskFull | None = None  #: a full disk met by a worker thread
+        #: what stopped every worker: a full disk, or a file or folder out of reach
+        self.failure: UserError | None = None
 
     def summary(self) -> Summary:
         return self.ledger.summary()
 
     def _worker(self, slot: int) -> None:
-        """Take and run jobs; a full disk stops every worker and is raised by :meth:`run`."""
+        """Take and run jobs; a full disk, or a file or folder this user may not read or
+        write, stops every worker and is raised by :meth:`run`."""
         try:
             while not self.stop.is_set():
                 with self._lock:
@@ -131,10 +133,13 @@ class Driver:
                     continue
                 self.runner.execute(job, slot)
         except OSError as err:
-            if not isinstance(err, DiskFull) and err.errno not in FULL_DISK:
+            if isinstance(err, DiskFull) or err.errno in FULL_DISK:
+                self.failure = err if isinstance(err, DiskFull) else full_disk(
+                    err.filename or self.study_dir, "then run the same sweep command to continue")
+            elif err.errno in NO_ACCESS:
+                self.failure = no_access(err)
+            else:
                 raise
-            self.failure = err if isinstance(err, DiskFull) else full_disk(
-                err.filename or self.study_dir, "then run the same sweep command to continue")
             self.stop.set()
 
     def run(self) -> Summary:

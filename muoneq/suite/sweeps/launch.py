@@ -38,7 +38,12 @@ KILL_GRACE_S = 20.0
 
 
 class ResultMismatch(RuntimeError):
-    """A run folder holds a result made with other settings than the ones asked for."""
+    """A run folder holds a result made with other settings than the ones asked for, or a
+    ``trial.json`` that cannot be read (``run_dir``: the folder; a retry cannot help)."""
+
+    def __init__(self, message: str, run_dir: Path):
+        super().__init__(message)
+        self.run_dir = Path(run_dir)
 
 
 @dataclass
@@ -97,12 +102,18 @@ def check_trial_fingerprint(run_dir: Path, fingerprint: Mapping) -> None:
     path = Path(run_dir) / RECORD_NAME
     if not path.exists():
         return
-    recorded = json.loads(path.read_text()).get("fingerprint")
+    try:
+        recorded = json.loads(path.read_text())["fingerprint"]
+    except (OSError, ValueError, TypeError, KeyError) as err:  # cut, garbage, unreadable
+        raise ResultMismatch(
+            f"{path} is damaged or unreadable ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:200]}), so what {run_dir} was run with cannot be "
+            "checked; restore it, or delete that run folder to run its point again",
+            run_dir) from None
     if recorded != json.loads(json.dumps(fingerprint)):
         raise ResultMismatch(
             f"{run_dir} was run with {recorded}, not {dict(fingerprint)}; remove the folder or "
-            "give the sweep another study name"
-        )
+            "give the sweep another study name", run_dir)
 
 
 def is_active(run_dir: Path) -> bool:

@@ -9,7 +9,9 @@ to a trial (user attributes, then ``study.tell``), on the storage object the dri
 (``optuna.storages.BaseStorage``).
 
 A driver is alive while it holds its lock file ``<study>/drivers/<id>.lock`` (same machine) or
-its trials' heartbeats are fresh (other machines: ``retry.stale_after_s``).
+its trials' heartbeats keep changing (other machines: a heartbeat that this driver has seen
+unchanged for ``retry.stale_after_s`` of its own clock is stale; two machines' clocks are never
+compared, so a clock that runs ahead or behind declares no live trial dead).
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ class Ledger:
         self._trial_ids: dict[int, int] = {}
         self._said: dict | None = None
         self._logged: set[str] = set()
+        #: this driver's clock, and each foreign trial's last heartbeat with when it was first
+        #: seen by it (:meth:`owner_alive`)
+        self.clock = time.monotonic
+        self._beats: dict[int, tuple[float, float]] = {}
         #: each axis' Optuna distribution, as the study recorded it (planned studies)
         self.distributions = distributions.from_json(study.user_attrs.get(STUDY_DISTRIBUTIONS))
         if spec.planned:
@@ -211,7 +217,16 @@ class Ledger:
         last = rec.heartbeat
         if last is None and t.datetime_start is not None:
             last = t.datetime_start.timestamp()
-        return last is not None and time.time() - last < self.spec.retry.stale_after_s
+        if last is None:
+            return False
+        # Another machine: its heartbeat is a time on its own clock; alive while it changes
+        # within stale_after_s of this driver's clock (module docstring).
+        now = self.clock()
+        seen = self._beats.get(t.number)
+        if seen is None or seen[0] != last:
+            self._beats[t.number] = (last, now)
+            return True
+        return now - seen[1] < self.spec.retry.stale_after_s
 
     def survey(self) -> Survey:
         """Group every trial of the study by run key (skipped duplicates left out). A running

@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from muoneq.suite.errors import DiskFull
 from muoneq.suite.sweeps import launch
 from muoneq.suite.sweeps.events import ScalarReader
 from muoneq.suite.sweeps.ledger import Ledger
@@ -39,12 +40,20 @@ class Runner:
     def execute(self, job: Job, slot: int) -> None:
         try:
             outcomes = self._adopt(job) if isinstance(job, Adopt) else self._start(job, slot)
-        except launch.ResultMismatch as err:
-            self.ledger.tell(job.number, TrialState.FAIL, outcome="failed", message=str(err))
-            log.error("%s", err)
+        except launch.ResultMismatch as err:  # a retry would meet the same folder
+            self.ledger.tell(job.number, TrialState.FAIL, outcome="config_error",
+                             message=str(err))
+            log.error("trial %d (%s): %s (not retried: fix it, then re-run the sweep)",
+                      job.number, job.key, err)
+            launch.append_log(err.run_dir, f"muoneq sweep: trial {job.number} failed: {err}")
             return
         if outcomes is None:
             return
+        full = [o for o in outcomes if o.returncode == DiskFull.exit_code]
+        if full:  # every other run would meet the same disk: stop the sweep at once
+            self.ledger.tell(job.number, TrialState.FAIL, outcome="disk_full",
+                             message=full[0].message)
+            raise disk_full(job, full[0].message)
         verdict = judge(outcomes, job.seeds, self.spec.objective.metric)
         if verdict.missing_metric:  # the run itself succeeded: say why the trial failed
             for seed in job.seeds:
@@ -97,6 +106,16 @@ class Runner:
             if outcome.status != "complete":
                 break
         return outcomes
+
+
+def disk_full(job: Job, log: str) -> DiskFull:
+    """The sweep's :class:`DiskFull` for a run that exited with the full-disk status: its own
+    ``muoneq:`` line (the file and the space left), with how the sweep continues."""
+    said = [line for line in log.splitlines() if line.startswith("muoneq: ")]
+    what = said[-1].removeprefix("muoneq: ").split("; then ")[0] if said else (
+        f"exited with status {DiskFull.exit_code} (disk full); see its {launch.LOG_NAME}")
+    return DiskFull(f"trial {job.number} ({job.key}): {what}; then run the same sweep command "
+                    "to continue (the run resumes from its last checkpoint)")
 
 
 class Ticker:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from muoneq.suite.errors import UserError
@@ -255,6 +255,9 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
     path = sweep_path(path)
     try:
         raw = OmegaConf.load(path)
+    except UnicodeDecodeError as err:
+        raise SweepError(f"{path}: byte {err.start} is not UTF-8 ({err.reason}), so the file is "
+                         "not a sweep file (YAML in UTF-8); save it as UTF-8") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -262,6 +265,11 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
         raise SweepError(f"{path}: {where}{problem}, so the file is not valid YAML; fix it "
                          "there (indentation, a missing ':' or an unclosed bracket or quote)"
                          ) from None
+    if not isinstance(raw, DictConfig):
+        kind = type(raw).__name__.removesuffix("Config").lower()
+        raise SweepError(f"{path}: the file holds a {kind} at its top level, and a sweep file is "
+                         "a mapping of its fields (study:, grid: or search:, objective: …); see "
+                         "sweeps/*.yaml")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
     except OmegaConfBaseException as err:
@@ -347,6 +355,13 @@ def _check_study(spec: SweepSpec, source: str) -> None:
                          "'search' (TPE)")
     if not spec.seeds or len(set(spec.seeds)) != len(spec.seeds):
         raise SweepError(f"{source}: seeds={spec.seeds} must be a non-empty list without repeats")
+    from muoneq.suite.runtime.config.schema import check_seed
+
+    for i, seed in enumerate(spec.seeds):
+        try:
+            check_seed(seed, f"seeds[{i}]")
+        except ValueError as err:
+            raise SweepError(f"{source}: {err}") from None
     for i, word in enumerate(spec.overrides):
         if "=" not in word or word.startswith("="):
             raise SweepError(f"{source}: overrides[{i}]={word!r} is not of the form key=value")

@@ -8,13 +8,15 @@
   ``sqlite:///path.db``: Optuna's ``RDBStorage`` — the way to share one study between workers
   on many machines (SQLite is for one machine only).
 
-A journal whose last record was cut short (a crash or a full disk during an append) is repaired
-before it is opened: Optuna would append the next record onto the partial line and the study
-could never be read again. :func:`repair_journal` does it under Optuna's own journal lock.
+A journal whose last record was cut short (a crash or a full disk during an append), or with a
+line that is not an Optuna record, is repaired before it is opened: Optuna would append the next
+record onto a partial line, and stop at a line it cannot read, so the study could never be read
+again. :func:`repair_journal` does it under Optuna's own journal lock.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -28,48 +30,106 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from muoneq.suite.errors import UserError
+from muoneq.suite.files import atomic_open
 
 JOURNAL_NAME = "optuna.journal"
 
 
 class JournalError(UserError, ValueError):
-    """A journal file Optuna cannot read (the message names the line and the command to fix it)."""
+    """A journal file Optuna cannot read (the message names the file and what to do)."""
+
+
+#: How every record of Optuna's journal begins (``json.dumps`` of a dict whose first key is
+#: the operation).
+_RECORD_START = b'{"op_code"'
+
+
+def _is_record(line: bytes) -> bool:
+    """Whether ``line`` has the shape of a record of Optuna's journal: a JSON object with an
+    integer ``op_code`` and the ``worker_id`` that wrote it (any operation: a newer Optuna's are
+    kept too; Optuna itself checks the rest when it reads them)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(record, dict) and type(record.get("op_code")) is int
+            and isinstance(record.get("worker_id"), str))
+
+
+def _salvage(line: bytes) -> bytes | None:
+    """The whole record at the end of a damaged line (a record cut short, then appended onto:
+    what older versions did after a crash), or None."""
+    start = line.rfind(_RECORD_START)
+    while start > 0:
+        if _is_record(line[start:]):
+            return line[start:]
+        start = line.rfind(_RECORD_START, 0, start)
+    return None
 
 
 def repair_journal(path: Path) -> None:
-    """Drop a cut-short last record of the journal at ``path`` (everything after its last
-    newline: Optuna writes each record as one line, so such a tail was never a whole record),
-    with a one-line note; refuse a damaged complete line with the ``sed`` command that removes
-    it (a cut record that was then appended to: the study cannot be read past it)."""
+    """Repair the journal at ``path`` before Optuna reads it, under Optuna's own journal lock
+    (appends by other drivers wait, so the tail seen here is not one in progress):
+
+    * a last record cut short (everything after its last newline: Optuna writes each record as
+      one line, so such a tail was never a whole record) is dropped, with a one-line note;
+    * a complete line that is not a record (a cut record that was appended onto, garbage, JSON
+      of another shape) is dropped, keeping the whole record at its end if there is one, with a
+      one-line note naming the lines and a copy of the journal as it was
+      (``<name>.damaged-<time>``).
+    """
     if not path.is_file() or path.stat().st_size == 0:
         return
     lock = JournalFileSymlinkLock(str(path))
-    lock.acquire()  # appends by other drivers wait: the tail seen here is not one in progress
+    lock.acquire()
     try:
         data = path.read_bytes()
         end = data.rfind(b"\n") + 1
-        for number, line in enumerate(data[:end].splitlines(), start=1):
-            try:
-                json.loads(line)
-            except ValueError:
-                raise JournalError(
-                    f"{path}: line {number} is not a whole Optuna journal record (a write was "
-                    "cut short, then appended to), so the study cannot be read; remove that "
-                    f"line to recover every other record: sed -i '{number}d' "
-                    f"{shlex.quote(str(path))}") from None
-        if end < len(data):
-            try:
-                os.truncate(path, end)
-            except OSError as err:
-                raise JournalError(
-                    f"{path}: its last record was cut short ({len(data) - end} bytes after the "
-                    f"last newline) and cannot be removed here ({err.strerror}); remove it: "
-                    f"truncate -s {end} {shlex.quote(str(path))}") from None
-            print(f"muoneq: note: {path}: dropped a last record cut short by a crash or a full "
-                  f"disk ({len(data) - end} bytes, an operation that never completed)",
-                  file=sys.stderr)
+        lines = data[:end].splitlines(keepends=True)
+        bad = [n for n, line in enumerate(lines, start=1) if not _is_record(line)]
+        if bad:
+            _drop_lines(path, data, lines, bad)
+        elif end < len(data):
+            _drop_tail(path, end, len(data) - end)
     finally:
         lock.release()
+
+
+def _drop_tail(path: Path, end: int, cut: int) -> None:
+    try:
+        os.truncate(path, end)
+    except OSError as err:
+        raise JournalError(
+            f"{path}: its last record was cut short ({cut} bytes after the last newline) and "
+            f"cannot be removed here ({err.strerror}); remove it: truncate -s {end} "
+            f"{shlex.quote(str(path))}") from None
+    print(f"muoneq: note: {path}: dropped a last record cut short by a crash or a full disk "
+          f"({cut} bytes, an operation that never completed)", file=sys.stderr)
+
+
+def _drop_lines(path: Path, data: bytes, lines: list[bytes], bad: list[int]) -> None:
+    """Rewrite the journal without the lines ``bad`` (numbered from 1; a whole record at the end
+    of one is kept) and without a cut last record, keeping a copy of it as it was."""
+    kept, salvaged = [], 0
+    for number, line in enumerate(lines, start=1):
+        if number in bad:
+            record = _salvage(line.rstrip(b"\n"))
+            if record is not None:
+                kept.append(record + b"\n")
+                salvaged += 1
+        else:
+            kept.append(line)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    copy = path.with_name(f"{path.name}.damaged-{stamp}")
+    with atomic_open(copy, "wb", fsync=True) as f:
+        f.write(data)
+    with atomic_open(path, "wb", fsync=True) as f:
+        f.write(b"".join(kept))
+    which = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+    kept_note = f", keeping the whole record at the end of {salvaged}" if salvaged else ""
+    print(f"muoneq: note: {path}: dropped line {which}, not a whole Optuna journal record (a "
+          f"write cut short, then appended onto, or other text){kept_note}; the journal as it "
+          f"was is kept as {copy.name}", file=sys.stderr)
 
 
 def default_journal(study_dir: Path) -> Path:
@@ -89,7 +149,12 @@ def open_storage(url: str | None, study_dir: Path) -> BaseStorage:
         path = default_journal(study_dir) if url is None else Path(url[len("journal:"):])
         path.parent.mkdir(parents=True, exist_ok=True)
         repair_journal(path)
-        return JournalStorage(JournalFileBackend(str(path)))
+        try:
+            return JournalStorage(JournalFileBackend(str(path)))
+        except (KeyError, TypeError, ValueError, AssertionError) as err:  # a record Optuna
+            raise JournalError(  # cannot apply, though it has a record's shape
+                f"{path}: Optuna cannot read its records ({type(err).__name__}: {err}); restore "
+                "it from a backup, or move it away to start the study again") from None
     if "://" not in url:
         raise ValueError(
             f"--storage {url!r}: expected journal:<file>, sqlite:///<file>, "

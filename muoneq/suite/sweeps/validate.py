@@ -26,7 +26,7 @@ from pathlib import Path
 from muoneq.suite.errors import UserError
 from muoneq.suite.sweeps.launch import trial_command
 from muoneq.suite.sweeps.report_spec import metrics_named
-from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec
+from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec, format_value
 from muoneq.suite.sweeps.study import check_study_fingerprint, existing_study
 
 #: the words that start the training command in a trial's argv (``… -m muoneq train …``)
@@ -102,20 +102,22 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
     from muoneq.suite.runtime import record
 
     points = spec.points() if spec.is_grid else list(search_points(spec))
+    check_folder_names(points)
+    checked = value_cover(points) if spec.is_grid else {p.key for p in points}
     cache: dict = {}
     composed = 0
     for point in points:
         for i, seed in enumerate(spec.seeds):
             run_dir = point.run_dir(study_dir, seed)
             saved = record.read_record(run_dir)
-            if i and saved is None:
-                continue  # one seed is enough to type-check a point
+            if (i or point.key not in checked) and saved is None:
+                continue  # one seed, and each value of each config shape, type-checks it
             try:
                 cfg = compose_point(spec, point, seed, run_dir, cache)
             except UserError as err:
                 raise SweepError(
                     f"point {point.key!r} (seed {seed}) is not a valid training config: {err}; "
-                    "fix the sweep's overrides or grid (--dry-run checks every point)") from None
+                    "fix the sweep's overrides or grid (--dry-run checks them all)") from None
             if cfg is None:
                 return 0
             check_metrics(spec, cfg, point)
@@ -128,6 +130,40 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
                     f"file or overrides it was run with, give the study another name (--set "
                     f"study=NAME), or delete that run folder", details=changed)
     return composed
+
+
+def value_cover(points: Sequence[Point]) -> set[str]:
+    """The keys of the grid points that, in order, bring a value of an axis not composed yet
+    within their config shape (the same group choices, ``experiment=…``, ``optimizer=…``, and the
+    same axes): so every value of every axis is composed once in each shape, and a grid of
+    10 × 10 × 10 points of one shape composes 28 configs, not 1,000."""
+    from muoneq.suite.runtime.config import GROUPS
+
+    seen: set = set()
+    keys = set()
+    for point in points:
+        values = point.as_dict()
+        shape = (tuple((a, format_value(v)) for a, v in point.items if a in GROUPS),
+                 tuple(values))
+        new = {(shape, a, format_value(v)) for a, v in point.items} - seen
+        if new:
+            keys.add(point.key)
+            seen |= new
+    return keys
+
+
+def check_folder_names(points: Sequence[Point]) -> None:
+    """:class:`SweepError` when two points would share a run folder: their values differ only in
+    characters a folder name cannot hold (``a/b`` and ``a_b``), so the second could never run."""
+    folders: dict[str, str] = {}
+    for point in points:
+        first = folders.setdefault(point.slug(), point.key)
+        if first != point.key:
+            raise SweepError(
+                f"points {first!r} and {point.key!r} would share the run folder "
+                f"trials/{point.slug()}/ (their values differ only in characters a folder name "
+                "cannot hold), so the second could never run; change one of the values (a "
+                "symbolic link or a copy of the file under another name, say)")
 
 
 def compose_point(spec: SweepSpec, point: Point, seed: int, run_dir: Path, cache: dict):

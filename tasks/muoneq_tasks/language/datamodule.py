@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -58,6 +59,18 @@ class LanguageDataModule(TaskDataModule):
         self.vocab_size = vocab_size  #: the tokenizer's; shards are checked against it
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
+
+    def data_identity(self) -> dict:
+        """The shard set: each split's shard names and sizes, and the SHA-256 of the folder's
+        ``prepare.json`` (what ``muoneq data`` recorded writing them; None without one)."""
+        cfg = self.cfg
+        info = Path(cfg.dir).expanduser() / PROGRESS_FILE
+        return {
+            **{split: [[p.name, p.stat().st_size] for p in find_shards(files or cfg.dir, split)]
+               for split, files in (("train", cfg.train_files), ("val", cfg.val_files))},
+            PROGRESS_FILE: hashlib.sha256(info.read_bytes()).hexdigest() if info.is_file()
+            else None,
+        }
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

@@ -133,6 +133,24 @@ class TrainerConfig:
         if self.divergence_patience is not None and self.divergence_patience < 0:
             raise ValueError(f"trainer.divergence_patience: must be ≥ 0 or null, "
                              f"got {self.divergence_patience}")
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        """A run trains at least one step: a budget of zero steps would report the initial
+        weights' metrics as a finished run's."""
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(
+                f"trainer.max_steps={self.max_steps}: "
+                + ("a run of zero steps trains nothing; " if self.max_steps == 0 else "")
+                + "must be ≥ 1, or -1 to let trainer.max_epochs set the budget")
+        if self.max_epochs == 0 or (self.max_epochs is not None and self.max_epochs < -1):
+            raise ValueError(
+                f"trainer.max_epochs={self.max_epochs}: a run of zero epochs trains nothing; "
+                "must be ≥ 1, or null (or -1) to let trainer.max_steps set the budget")
+        if self.limit_train_batches == 0:
+            raise ValueError(
+                f"trainer.limit_train_batches={self.limit_train_batches}: a run of zero "
+                "batches per epoch trains nothing; must be > 0, or null for every batch")
 
 
 @dataclass
@@ -172,6 +190,10 @@ class SpectraConfig:
 
 #: The characters of a run name: one folder name, safe in any shell (never ``.`` or ``..``).
 RUN_NAME = re.compile(r"[A-Za-z0-9_.=-]+")
+#: The longest folder name file systems take (``NAME_MAX`` of Linux, macOS and Windows).
+MAX_NAME_BYTES = 255
+#: The seeds numpy accepts (``np.random.seed``, which Lightning's ``seed_everything`` calls).
+SEED_RANGE = (0, 2**32 - 1)
 
 
 @dataclass
@@ -184,6 +206,10 @@ class RunSection:
     #: Run folder; default ``<root>/<name>``.
     dir: str | None = None
     root: str = "runs"
+    #: Resume although the data changed since the checkpoint was saved (the task's
+    #: ``data_identity``, e.g. shards added by ``muoneq data --tokens``): the rest of the run
+    #: trains on the new data; the session is recorded in ``config.yaml``. Default: refuse.
+    accept_changed_data: bool = False
 
     def __post_init__(self) -> None:
         if self.name is not None and (
@@ -192,6 +218,10 @@ class RunSection:
                 f"run.name={self.name!r}: a run name is one folder name of letters, digits and "
                 "'-', '_', '.', '=' (not '.' or '..'), so that the run stays inside run.root; "
                 "pass another run.name, or run.dir=<folder> to choose the folder itself")
+        if self.name is not None and len(self.name.encode()) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"run.name={self.name[:40]}…: {len(self.name.encode())} bytes, and a folder name "
+                f"holds at most {MAX_NAME_BYTES}; pass a shorter run.name")
 
 
 @dataclass
@@ -206,3 +236,14 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     spectra: SpectraConfig = field(default_factory=SpectraConfig)
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed, "seed")
+
+
+def check_seed(seed: int, key: str) -> None:
+    """``ValueError`` naming ``key`` when ``seed`` is outside :data:`SEED_RANGE` (Lightning would
+    replace it by 0 with a warning, and runs of two seeds would be one)."""
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise ValueError(f"{key}={seed}: a seed must lie in [{low}, {high}] (numpy's range)")

@@ -50,6 +50,8 @@ def group_file(group: str, choice: str, root: Path) -> Path:
 def load_yaml(path: Path) -> DictConfig:
     try:
         loaded = OmegaConf.load(path)
+    except OSError:
+        raise  # unreadable: said in one line by the command (muoneq.suite.files.no_access)
     except Exception as err:  # yaml syntax errors come in several types
         raise ConfigError(f"{path}: cannot parse YAML: {err}") from None
     if not isinstance(loaded, DictConfig):

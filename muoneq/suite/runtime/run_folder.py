@@ -1,0 +1,244 @@
+"""A run folder's one writer, where its paths lead, and what is ever cleaned in it.
+
+* **One writer** (:func:`hold`). A run holds an exclusive ``flock`` on ``<run dir>/.run.lock``
+  for its whole life (rank 0 of a distributed run: the other processes are its own), with who
+  holds it written inside (process, host, start, command). A second ``muoneq train`` on the same
+  folder is refused before it reads or writes anything there, with one line naming the holder.
+  The kernel releases the lock of a process that ends, however it ends (a SIGKILL, a node that
+  reboots), so a lock file a dead run left behind is taken over by the next one, with a note
+  naming the dead holder. It is the kind of lock a sweep's trial holds (``.trial.lock``,
+  :mod:`muoneq.suite.sweeps.launch`); ``flock`` works across machines on NFS (the client emulates
+  it with POSIX locks) and on local disks. Written on ``fcntl.flock`` directly, as that one is:
+  the lock file also says who holds it, for the refusal to name (``filelock``'s locks carry no
+  holder).
+* **Where its paths lead** (:func:`check_paths`). ``run.root``, the run folder, ``checkpoints/``
+  and ``tensorboard/`` must each be a folder or not exist yet: a file, a symbolic link to nothing
+  or a loop of links there is one line naming the path. A run named by ``run.name`` stays inside
+  ``run.root``: a run folder there that is a link to elsewhere is refused (``run.dir=`` names the
+  folder to write through it). Links the user made for writing (``run.dir`` itself, or
+  ``checkpoints/`` on a scratch disk) are followed, and a note says where the files go.
+* **Cleaning** (:func:`clear_attempt`, :func:`remove_partial_writes`). Only files the project
+  wrote are ever removed, by their names (``last-step<N>.ckpt``, ``best.ckpt``, their
+  ``.sha256``, TensorBoard's event files, the temporary files of cut writes), never by listing a
+  folder wholesale, and a link is removed as a link, never its target's contents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from muoneq.suite.runtime.checkpoints import CHECKPOINT_DIR, DAMAGED_SUFFIX
+from muoneq.suite.runtime.record import RunFolderError
+from muoneq.suite.runtime.trainer import TENSORBOARD_DIR
+
+LOCK_NAME = ".run.lock"
+#: What a run writes in ``checkpoints/`` (a temporary file of a cut write: ``.<name>.<pid>.tmp``,
+#: :func:`muoneq.suite.files.atomic_open`).
+CHECKPOINT_FILES = re.compile(r"(last-step\d+|best)\.ckpt(\.sha256)?|\..+\.tmp")
+#: What a run writes in ``tensorboard/`` (Lightning's TensorBoard logger, the spectral monitor).
+TENSORBOARD_FILES = re.compile(r"events\.out\.tfevents\..+|hparams\.yaml|spectra\.csv")
+#: The temporary files of a cut write of the run folder's own files (``config.yaml``,
+#: ``metrics.json``, ``routing.txt``).
+PARTIAL_WRITES = re.compile(r"\.(config\.yaml|metrics\.json|routing\.txt)\.\d+\.tmp")
+
+
+# --------------------------------------------------------------------------- one writer
+def _read_holder(fd: int) -> dict | None:
+    """Who holds (or held) the lock file open as ``fd`` (None: nobody wrote it, or it is cut)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = os.read(fd, 65536)
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def describe_holder(holder: dict | None) -> str:
+    if holder is None:
+        return "another process (it has not said who it is yet)"
+    return (f"process {holder.get('pid')} on {holder.get('host')} (since "
+            f"{holder.get('started')}: {holder.get('command')})")
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """``mkdir -p folder``; the folders it made, deepest first."""
+    made = []
+    for path in [folder, *folder.parents]:
+        if path.exists():
+            break
+        made.append(path)
+    for path in reversed(made):
+        path.mkdir(exist_ok=True)
+    return made
+
+
+def _open_locked(path: Path) -> int:
+    """The lock file ``path`` open and locked (an ``fd``); :class:`RunFolderError` naming the
+    holder when a live process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunFolderError(
+                f"{path.parent} is being written by {describe_holder(holder)}, and a run folder "
+                "has one writer; wait for that run to end (or stop it), or start this one in "
+                "another folder (another run.name or run.dir)") from None
+        # the holder may have released and removed the file between our open and our lock:
+        # then the lock is on a file nobody else will open, and we try again
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, argv: list[str] | None) -> Iterator[None]:
+    """Be the one writer of ``run_dir`` while the block runs (module docstring): the folder is
+    made if needed (and removed again, when it is left empty, with the folders made for it)."""
+    run_dir = Path(run_dir)
+    made = _make_folders(run_dir)
+    path = run_dir / LOCK_NAME
+    try:
+        fd = _open_locked(path)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    try:
+        left = _read_holder(fd)
+        if left is not None:
+            print(f"muoneq: note: {path} was left by {describe_holder(left)}, which ended "
+                  "without releasing it (killed?); this run takes it over")
+        command = " ".join(["muoneq", "train", *argv]) if argv is not None else " ".join(sys.argv)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes: the next run makes a new file
+        os.close(fd)
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders :func:`_make_folders` made, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+# --------------------------------------------------------------------------- where paths lead
+def folder_problem(path: Path) -> tuple[Path, str, str] | None:
+    """The first component of ``path`` that cannot be (part of) a folder to write in, what it
+    is and how to fix it: a file, a symbolic link to nothing, a loop of links. None when every
+    existing component is a folder (the rest can be made)."""
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        prefix = Path(*parts[:i])
+        try:
+            mode = os.stat(prefix).st_mode
+        except FileNotFoundError:
+            if os.path.islink(prefix):
+                return (prefix, f"is a symbolic link to {os.readlink(prefix)}, which does not "
+                        "exist", "create that folder or remove the link")
+            return None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return prefix, "is a loop of symbolic links", "remove the link"
+            raise
+        if not stat.S_ISDIR(mode):
+            return prefix, "is a file, not a folder", "move it away"
+    return None
+
+
+def check_paths(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """Refuse (:class:`RunFolderError`, one line) a run folder whose paths cannot be written as
+    asked (module docstring); return the notes to print: the links followed for writing."""
+    run_dir = Path(run_dir)
+    keys = "run.dir" if cfg.run.dir else "run.root / run.name"
+    for path in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / TENSORBOARD_DIR):
+        problem = folder_problem(path)
+        if problem is not None:
+            where, what, fix = problem
+            raise RunFolderError(f"{where} {what}, so the run folder {run_dir} cannot be written; "
+                                 f"{fix}, or choose another run folder ({keys})")
+    if not cfg.run.dir and run_dir.is_symlink():
+        raise RunFolderError(
+            f"{run_dir} is a symbolic link to {os.readlink(run_dir)}, so a run named "
+            f"run.name={cfg.run.name} would be written outside run.root={cfg.run.root}; pass "
+            f"run.dir={run_dir} to write there through the link, or remove the link")
+    notes = []
+    for path in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / TENSORBOARD_DIR):
+        if path.is_symlink():
+            notes.append(f"muoneq: note: {path} is a symbolic link: the run writes to "
+                         f"{path.resolve()} (and removes there only files it wrote, by name)")
+    return notes
+
+
+# --------------------------------------------------------------------------- cleaning
+def _remove(path: Path) -> None:
+    """Remove one entry the project wrote: a link as a link, a folder (a distributed
+    checkpoint) with its contents, a file."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def _ours(folder: Path, names: re.Pattern) -> list[Path]:
+    """The entries of ``folder`` (a folder or a link to one) named as the project names its
+    files; nothing when it is not a folder."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if names.fullmatch(p.name))
+
+
+def clear_attempt(run_dir: Path) -> None:
+    """Remove what an earlier attempt in this run folder wrote when it left no checkpoint to
+    resume from (its curves would mix with this run's): its checkpoints and TensorBoard files,
+    by name (module docstring). Called only for a folder whose ``config.yaml`` is ours
+    (:func:`muoneq.suite.runtime.record.read_record`); checkpoints set aside as damaged are kept."""
+    tensorboard = run_dir / TENSORBOARD_DIR
+    made = [p for p in _ours(run_dir / CHECKPOINT_DIR, CHECKPOINT_FILES)
+            if not p.name.endswith(DAMAGED_SUFFIX)]
+    made += _ours(tensorboard, TENSORBOARD_FILES)
+    if made:
+        print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
+              "resume from; starting over (its checkpoints and TensorBoard files are removed)")
+    for path in made:
+        _remove(path)
+    if tensorboard.is_dir() and not tensorboard.is_symlink() and not any(tensorboard.iterdir()):
+        tensorboard.rmdir()
+
+
+def remove_partial_writes(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours) from
+    the run folder and its ``checkpoints/``; return them."""
+    partial = [p for p in _ours(run_dir / CHECKPOINT_DIR, CHECKPOINT_FILES)
+               if p.name.endswith(".tmp")]
+    partial += _ours(run_dir, PARTIAL_WRITES)
+    for path in partial:
+        _remove(path)
+    return partial
