@@ -1,12 +1,16 @@
 """Fault injection on sweeps: a journal cut mid-record (at every byte of its last record), a
 journal appended onto a cut record, a malformed sweep file, a full disk in a worker thread, a
-trial that diverged."""
+trial that diverged, Ctrl-C on a running sweep."""
 
 from __future__ import annotations
 
 import errno
+import os
 import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -20,7 +24,8 @@ from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep
 from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
-from tests.helpers.sweeps import options, write_sweep
+from tests.helpers.commands import clean_env
+from tests.helpers.sweeps import OBJECTIVE, options, write_sweep
 
 
 def trials_of(storage) -> list[tuple]:
@@ -156,3 +161,71 @@ def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
     decide.start()
     assert ledger.duplicate_of(third.number, "another run") is None
     decide.join()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs the objective program (a pid that was reaped may be
+    reused by an unrelated process)."""
+    try:
+        return str(OBJECTIVE) in Path(f"/proc/{pid}/cmdline").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait_for(condition, process: subprocess.Popen, what: str, log: Path,
+              limit_s: float = 120) -> None:
+    """Wait until ``condition()`` holds (checked every 0.1 s); fail, naming ``what`` and the
+    sweep's log, when the sweep exits first or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"waiting for {what}: the sweep exited with {process.returncode}\n"
+                        f"{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue(tmp_path,
+                                                                                 workers):
+    """Ctrl-C in the terminal of a real ``muoneq sweep`` while its trial processes run: each
+    trial gets SIGTERM (and saves), the driver waits for them, exits 130 and prints the command
+    that continues; no trial process outlives it (on Python 3.11 and 3.12 a KeyboardInterrupt
+    in the driver's join let it exit at once while its trials trained on)."""
+    optimizers = ["muon_nes", "muoneq_nes"][:workers]
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "sleep_s=600"],
+                       grid=[{"optimizer": optimizers, "optimizer.lr": [0.02]}])
+    runs = tmp_path / "runs"
+    argv = ["sweep", str(path), "--workers", str(workers), "--runs-dir", str(runs)]
+    log = tmp_path / "sweep.log"
+    with log.open("w") as out:
+        # its own process group, as a shell's foreground job: the terminal's SIGINT reaches
+        # every process of it (the trials run in sessions of their own)
+        sweep = subprocess.Popen([sys.executable, "-m", "muoneq", *argv], stdout=out,
+                                 stderr=subprocess.STDOUT, env=clean_env(),
+                                 start_new_session=True)
+    pid_files = [runs / "tiny" / "trials" / f"optimizer={name},optimizer.lr=0.02" / "seed0" / "pid"
+                 for name in optimizers]
+    pids: list[int] = []
+    try:
+        _wait_for(lambda: all(p.is_file() and p.read_text() for p in pid_files), sweep,
+                  "the trials to start", log)
+        pids[:] = [int(p.read_text()) for p in pid_files]
+        os.killpg(sweep.pid, signal.SIGINT)
+        sweep.wait(timeout=300)
+        assert sweep.returncode == 130, log.read_text()[-3000:]
+        assert [_alive(pid) for pid in pids] == [False] * workers
+        for p in pid_files:
+            assert (p.parent / "checkpoint").read_text() == "SIGTERM"
+        lines = log.read_text().splitlines()
+        continued = [line for line in lines if "continue with: " in line]
+        assert len(continued) == 1, lines
+        assert shlex.split(continued[0].split("continue with: ")[1]) == ["muoneq", *argv]
+    finally:  # the trials of a failed test are stopped here (those it found)
+        pids = pids or [int(p.read_text()) for p in pid_files if p.is_file() and p.read_text()]
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()

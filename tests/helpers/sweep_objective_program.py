@@ -10,13 +10,16 @@ use it where they test the driver's bookkeeping, not a training run. Other ``key
 ``starts.log``, so tests can count how often a run folder was executed. With
 ``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
 ``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
-``muoneq`` does for a config error.
+``muoneq`` does for a config error. It writes its process id to ``pid`` when it starts, and on
+SIGTERM writes ``checkpoint`` (as ``muoneq train`` saves its step) and exits with status 143.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,13 @@ def main(argv: list[str]) -> int:
     args = dict(word.split("=", 1) for word in argv)
     run_dir = Path(args["run.dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+
+    def save_and_exit(signum, frame):
+        (run_dir / "checkpoint").write_text(signal.Signals(signum).name)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, save_and_exit)
+    (run_dir / "pid").write_text(str(os.getpid()))
     with (run_dir / "starts.log").open("a") as fh:
         fh.write(f"{time.time()}\n")
     if args.get("config_error") == "true":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import signal
 from pathlib import Path
 
 import optuna
@@ -80,11 +81,16 @@ def main(argv: list[str]) -> int:
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
     s = driver.run()
+    again = shlex.join(["muoneq", "sweep", *argv])
     print(f"study {spec.study}: {s.done}/{s.total} runs done"
           + (f", {len(s.exhausted)} failed for good (a config error, or out of retries; see "
              f"their trial.log): {s.exhausted}" if s.exhausted else "")
-          + (f", {s.pending} to go (re-run the same command to continue)" if s.pending else ""))
-    if not s.pending:
+          + (f", {s.pending} to go" if s.pending else ""))
+    if s.interrupted:
+        print(f"stopped by {signal.Signals(s.stopped_by).name}; continue with: {again}")
+    elif s.pending:
+        print(f"continue with: {again}")
+    if s.done:
         print(f"report: muoneq report {driver.study_dir}"
               + (f" --storage {where}" if args.storage else ""))
     return s.exit_code

@@ -87,12 +87,19 @@ class Summary:
     done: int
     exhausted: list[str]
     pending: int
-    interrupted: bool = False
+    #: the signal that stopped the driver (SIGINT, SIGTERM), or None
+    stopped_by: int | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None
 
     @property
     def exit_code(self) -> int:
-        if self.interrupted:
-            return 130
+        """The shell's status for the signal that stopped it (130: SIGINT, 143: SIGTERM); 1
+        while runs failed for good or remain; else 0."""
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
         return 1 if self.exhausted or self.pending else 0
 
 
