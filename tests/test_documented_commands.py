@@ -134,6 +134,19 @@ def test_make_report(tmp_path):
     assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
 
 
+def test_make_tensorboard_reads_a_study(tmp_path):
+    """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's);
+    ``ARGS=--inspect`` reads the events instead of starting the server."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "runs" / "s" / "trials" / "a" / "tensorboard")) as w:
+        w.add_scalar("val/ppl", 5.0, 1)
+    done = make("tensorboard", f"STUDY={tmp_path / 'runs' / 's'}", "ARGS=--inspect",
+                env=clean_env(PATH="/usr/bin:/bin"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "val/ppl" in done.stdout
+
+
 @pytest.mark.slow
 def test_make_sweep_targets_dry_run_compose_every_point(tmp_path):
     """Each paper study's target, as documented with ARGS=--dry-run: every point's training

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from muoneq.suite.errors import UserError, format_error
 
@@ -59,6 +62,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train one run: muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes seed=1",
     ),
 }
+
+
+def program(name: str = "muoneq", module: str | None = None) -> str:
+    """How to type the console script ``name`` of this Python environment (``muoneq``,
+    ``tensorboard``) so that it runs as printed: its bare name when the ``PATH`` finds this very
+    script (an activated environment), else its path (``.venv/bin/tensorboard`` from the
+    checkout), else ``python -m module`` with this interpreter (default module: ``name``)."""
+    script = Path(sys.executable).parent / name
+    if not script.is_file():
+        return shlex.join([sys.executable, "-m", module or name])
+    found = shutil.which(name)
+    if found is not None and Path(found).resolve() == script.resolve():
+        return name
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 def main(argv: list[str] | None = None) -> int:

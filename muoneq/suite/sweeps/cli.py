@@ -10,6 +10,7 @@ from pathlib import Path
 
 import optuna
 
+from muoneq.suite.cli import program
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> int:
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
     s = driver.run()
-    again = shlex.join(["muoneq", "sweep", *argv])
+    again = f"{program()} sweep {shlex.join(argv)}"
     print(f"study {spec.study}: {s.done}/{s.total} runs done"
           + (f", {len(s.exhausted)} failed for good (a config error, or out of retries; see "
              f"their trial.log): {s.exhausted}" if s.exhausted else "")
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> int:
     elif s.pending:
         print(f"continue with: {again}")
     if s.done:
-        print(f"report: muoneq report {driver.study_dir}"
+        print(f"report: {program()} report {shlex.quote(str(driver.study_dir))}"
               + (f" --storage {where}" if args.storage else ""))
     return s.exit_code
 
