@@ -2,7 +2,8 @@
 every start alike: a misspelled objective or report metric stops it before any run, with the
 closest key and the keys the task writes; a changed objective is refused by ``--dry-run`` as by
 the real run; ``--status`` and ``--dry-run`` create nothing; an unknown sweep key is one line
-with a did-you-mean; ``make report`` skips a study without results and reports the others.
+with a did-you-mean; ``make report`` skips a study without results and reports the others; a
+validation split smaller than ``task.data.val_tokens`` is one line before any run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from muoneq.suite.sweeps import Driver, load_sweep
 from muoneq.suite.sweeps.spec import spec_to_dict
 from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.commands import make, one_line_error
+from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 from tests.helpers.report import add_trial
 from tests.helpers.sweeps import REPO, load, options, write_sweep
 
@@ -123,3 +125,35 @@ def test_make_report_skips_a_study_without_results_and_reports_the_others(tmp_pa
     assert not (runs / "empty" / "report").exists()
     assert json.loads((runs / "tiny" / "trials").joinpath(
         "optimizer=muon_nes,optimizer.lr=0.02", "seed0", "metrics.json").read_text())
+
+
+def test_a_validation_split_smaller_than_val_tokens_is_one_line_before_any_run(
+        shards, tmp_path, capsys):
+    """A data error: ``--dry-run`` and the sweep stop before any run, with the line the run
+    itself would give (exit 2, which a sweep never retries), from the shards' headers."""
+    from muoneq_tasks.language.shards import find_shards, read_header
+
+    val = find_shards(shards, "val")
+    tokens = sum(read_header(f) for f in val)
+    budget = (tokens // 32 + 1) * 32  # the next multiple of seq_len 32 past the split
+    overrides = [a for a in tiny_args(shards, "unused") if not a.startswith("run.dir=")]
+    path = tmp_path / "small-val.yaml"
+    path.write_text(yaml.safe_dump({
+        "study": "small-val", "experiment": "llama_tiny_shakespeare",
+        "overrides": [*overrides[1:], f"task.data.val_tokens={budget}"], "seeds": [0],
+        "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.02]}],
+        "objective": {"metric": "val/ppl", "direction": "minimize"}}))
+    expected = (f"task.data.val_tokens={budget} needs {budget + 1} tokens of the validation "
+                f"split, which has {tokens} ({val[0]}); lower task.data.val_tokens to "
+                f"{(tokens - 1) // 32 * 32} or less, or prepare a larger validation split")
+    runs = tmp_path / "runs"
+    for extra in (["--dry-run"], []):
+        assert main(["sweep", str(path), "--runs-dir", str(runs), *extra]) == 2
+        err = one_line_error(capsys.readouterr().err)
+        assert err.startswith("muoneq: point 'optimizer=muon_nes optimizer.lr=0.02': "
+                              + expected), err
+    assert not runs.exists()
+    # the run itself, had it started: the same line, status 2
+    assert main(["train", *tiny_args(shards, tmp_path / "run",
+                                     f"task.data.val_tokens={budget}")]) == 2
+    assert one_line_error(capsys.readouterr().err).startswith("muoneq: " + expected)

@@ -34,12 +34,17 @@ class TaskSpec:
     keys its runs add to ``metrics.json`` (``metrics(cfg)``, from the composed config: what its
     module logs and its ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the
     runtime's own). A sweep checks its objective against them before anything runs; None: not
-    declared, nothing is checked."""
+    declared, nothing is checked. ``check_data(cfg)``, when given, raises what a run of the
+    composed config would raise about its data before its first step (a
+    :class:`~muoneq.suite.errors.DataError` when it is missing, another
+    :class:`~muoneq.suite.errors.UserError` when it is unusable), cheaply (file headers, no
+    training): a sweep runs it before any run starts."""
 
     config: type
     build: Callable[[Any], tuple[Any, Any]]
     description: str = ""
     metrics: Callable[[Any], Iterable[str]] | None = None
+    check_data: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):

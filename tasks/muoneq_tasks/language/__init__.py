@@ -24,5 +24,13 @@ def metrics(cfg) -> tuple[str, ...]:
             "tokens_per_step", "flops_per_token", "tokens_per_s", "mfu")
 
 
+def check_data(cfg) -> None:
+    """The shards' sizes against what the run reads:
+    :func:`muoneq_tasks.language.data.check_split_sizes`."""
+    from muoneq_tasks.language.data import check_split_sizes
+
+    check_split_sizes(cfg.task.data)
+
+
 TASK = TaskSpec(LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: "
-                "validation perplexity", metrics)
+                "validation perplexity", metrics, check_data)
