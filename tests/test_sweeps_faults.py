@@ -139,6 +139,16 @@ def test_a_trial_that_diverged_is_recorded_as_diverged():
     assert judge([launch.Outcome("complete", metrics)], [0], "best").outcome == "diverged"
 
 
+def test_a_finished_run_without_a_number_for_the_objective_is_not_a_divergence():
+    """MFU where no peak FLOP/s is known: null, which no retry changes (it was "diverged")."""
+    metrics = {"status": "finished", "mfu": None, "val/ppl": 5.0, "git_commit": "abc"}
+    verdict = judge([launch.Outcome("complete", metrics, returncode=0)], [0], "mfu")
+    assert (verdict.state, verdict.outcome) == (TrialState.FAIL, "config_error")
+    assert verdict.missing_metric  # logged as "not retried: fix objective.metric"
+    assert verdict.message == ("metrics.json has 'mfu' = null (objective.metric: not measured "
+                               "by this run, or not finite); it has numbers for: val/ppl")
+
+
 def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
     """Two drivers claim the same run; each wrote its claim before looking, but only the
     lower-numbered one saw the other's (the case that ran a run twice on PostgreSQL)."""

@@ -1,9 +1,10 @@
 """One preflight for a sweep (muoneq.suite.sweeps.validate.preflight), run by ``--dry-run`` and by
 every start alike: a misspelled objective or report metric stops it before any run, with the
-closest key and the keys the task writes; a changed objective is refused by ``--dry-run`` as by
-the real run; ``--status`` and ``--dry-run`` create nothing; an unknown sweep key is one line
-with a did-you-mean; ``make report`` skips a study without results and reports the others; a
-validation split smaller than ``task.data.val_tokens`` is one line before any run.
+closest key and the numeric keys the task writes, and so does one that is text or not measured
+on this machine; a changed objective is refused by ``--dry-run`` as by the real run; ``--status``
+and ``--dry-run`` create nothing; an unknown sweep key is one line with a did-you-mean; ``make
+report`` skips a study without results and reports the others; a validation split smaller than
+``task.data.val_tokens`` is one line before any run.
 """
 
 from __future__ import annotations
@@ -36,9 +37,27 @@ def test_a_misspelled_objective_stops_the_sweep_before_any_run(tmp_path, capsys,
     err = one_line_error(capsys.readouterr().err)
     assert code == 2 and not runs.exists()
     assert err.startswith("muoneq: objective.metric='val/pplx' is not a key of the metrics.json "
-                          "a run of point 'optimizer=adamw optimizer.lr=0.0005' writes (task "
-                          "language); did you mean 'val/ppl'?; its keys: ")
+                          "a run of point 'optimizer=adamw optimizer.lr=0.0005' writes on this "
+                          "machine (task language); did you mean 'val/ppl'?; its numeric keys: ")
     assert "val/loss, val/ppl, val/tokens" in err
+
+
+@pytest.mark.parametrize(("metric", "what"), [
+    ("git_commit", "is text, not a number, in"),
+    ("mfu", "is not a key of"),  # null on a CPU: no peak FLOP/s to divide by
+])
+def test_an_objective_without_a_number_on_this_machine_stops_the_sweep(tmp_path, capsys, metric,
+                                                                      what):
+    """Before any run, naming the keys that are numbers here (a CPU-only run: no MFU)."""
+    runs = tmp_path / "runs"
+    code = main(["sweep", GPT2, "--runs-dir", str(runs), "--set", f"objective.metric={metric}",
+                 "--override", "trainer.accelerator=cpu", "--dry-run"])
+    err = one_line_error(capsys.readouterr().err)
+    assert code == 2 and not runs.exists()
+    assert err.startswith(f"muoneq: objective.metric={metric!r} {what} the metrics.json "), err
+    numbers = err.split("its numeric keys: ")[1].split(", ")
+    assert "val/ppl" in numbers and "step_time_s" in numbers
+    assert not {"git_commit", "run_dir", "status", "mfu", "perf/mfu"} & set(numbers)
 
 
 def test_a_misspelled_report_metric_stops_the_sweep(tmp_path, capsys):
@@ -59,6 +78,11 @@ def test_declared_keys_follow_the_config():
     split = metric_keys(compose(["experiment=cifar10_resnet18", "task.data.val_size=100"]))
     assert "val/acc" not in plain and "test/acc" in plain
     assert set(split) - set(plain) == {"val/acc", "val/loss"}
+    # MFU only where a peak FLOP/s is known: CUDA GPUs, or task.peak_tflops
+    tiny = ["experiment=llama_tiny_shakespeare", "trainer.accelerator=cpu"]
+    cpu, peak = metric_keys(compose(tiny)), metric_keys(compose([*tiny, "task.peak_tflops=1"]))
+    gpu = metric_keys(compose(["experiment=gpt2_small_fineweb"]))  # trainer=gpu
+    assert "mfu" not in cpu and {"mfu", "perf/mfu"} <= set(peak) & set(gpu)
 
 
 def test_dry_run_and_status_create_nothing_and_refuse_a_changed_objective(tmp_path, capsys):
@@ -85,10 +109,10 @@ def test_metrics_json_without_the_objective_lists_its_keys(tmp_path, caplog):
     Driver(load_sweep(sweep), options(tmp_path)).run()
     (t,) = load(tmp_path).trials
     assert t.user_attrs["message"] == "metrics.json has no 'val_los' (objective.metric); it " \
-                                      "has: val_loss"
+                                      "has numbers for: val_loss"
     assert "metrics.json has no 'val_los'" in caplog.text
     run_dir = tmp_path / "runs" / "tiny" / t.user_attrs["run_dirs"][0]
-    assert "it has: val_loss" in (run_dir / "trial.log").read_text()
+    assert "it has numbers for: val_loss" in (run_dir / "trial.log").read_text()
 
 
 @pytest.mark.parametrize(("setting", "expected"), [

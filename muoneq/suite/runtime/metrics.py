@@ -4,7 +4,8 @@ The file is the contract between a run and whatever reads its result (a sweep's 
 the report's tables). :func:`metric_keys` lists, from a composed config and without training,
 the keys a run of it writes: the runtime's own (:data:`RUN_KEYS`, :data:`STEP_STATS_KEYS`) and
 those its task declares (:attr:`muoneq.suite.runtime.tasks.TaskSpec.metrics`), so that a sweep can
-refuse a misspelled objective before any run starts.
+refuse a misspelled objective, or one that is text (:data:`TEXT_KEYS`) or not measured on this
+machine (MFU on a CPU), before any run starts.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ STEP_STATS_KEYS = (
     "train_seconds",
 )
 STEP_LOG_KEYS = ("perf/step_time_s", "perf/peak_memory_gb")
+#: the keys above that hold text (a commit, a name, a path), not a number: never an objective
+TEXT_KEYS = ("status", "task", "optimizer", "paper_metric", "monitor", "monitor_mode", "run_dir",
+             "muoneq_version", "git_commit", "peak_memory_kind")
 
 
 def metric_keys(cfg: Any) -> list[str] | None:
-    """The keys of the ``metrics.json`` a run of the composed config ``cfg`` writes (sorted),
-    or None when its task declares none (a third-party task without ``TaskSpec.metrics``)."""
+    """The keys of the ``metrics.json`` a run of the composed config ``cfg`` writes on this
+    machine with a value (sorted; :data:`TEXT_KEYS` hold text, the others numbers), or None
+    when its task declares none (a third-party task without ``TaskSpec.metrics``)."""
     from muoneq.suite.runtime.tasks import get_task
 
     declared = get_task(cfg.task.name).metrics

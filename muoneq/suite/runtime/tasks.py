@@ -31,9 +31,10 @@ ENTRY_POINT_GROUP = "muoneq.tasks"
 @dataclass(frozen=True)
 class TaskSpec:
     """A workload: its typed config (a dataclass with a ``name`` field), its builder, and the
-    keys its runs add to ``metrics.json`` (``metrics(cfg)``, from the composed config: what its
-    module logs and its ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the
-    runtime's own). A sweep checks its objective against them before anything runs; None: not
+    numeric keys its runs add to ``metrics.json`` with a value on this machine
+    (``metrics(cfg)``, from the composed config: what its module logs and its
+    ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the runtime's
+    own). A sweep checks its objective against them before anything runs; None: not
     declared, nothing is checked. ``check_data(cfg)``, when given, raises what a run of the
     composed config would raise about its data before its first step (a
     :class:`~muoneq.suite.errors.DataError` when it is missing, another

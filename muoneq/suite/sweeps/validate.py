@@ -81,23 +81,27 @@ def preflight(spec: SweepSpec, url: str | None, study_dir: Path) -> int:
 
 
 def check_metrics(spec: SweepSpec, cfg, point: Point) -> None:
-    """:class:`SweepError` when the objective or a metric of the report is not a key of the
-    ``metrics.json`` that ``cfg`` (``point``'s config) writes; nothing when its task declares
-    no keys."""
-    from muoneq.suite.runtime.metrics import METRICS_FILE, metric_keys
+    """:class:`SweepError` when the objective or a metric of the report is not a number of the
+    ``metrics.json`` that ``cfg`` (``point``'s config) writes on this machine (a misspelled key,
+    text such as ``git_commit``, MFU on a CPU); nothing when its task declares no keys."""
+    from muoneq.suite.runtime.metrics import METRICS_FILE, TEXT_KEYS, metric_keys
 
     keys = metric_keys(cfg)
     if keys is None:
         return
+    numbers = [k for k in keys if k not in TEXT_KEYS]
     named = {spec.objective.metric: "objective.metric", **metrics_named(spec.report)}
     for metric, field in named.items():
-        if metric not in keys:
-            hint = difflib.get_close_matches(metric, keys, n=1, cutoff=0.6)
-            raise SweepError(
-                f"{field}={metric!r} is not a key of the {METRICS_FILE} a run of point "
-                f"{point.key!r} writes (task {cfg.task.name})"
-                + (f"; did you mean {hint[0]!r}?" if hint else "")
-                + f"; its keys: {', '.join(keys)}")
+        if metric in numbers:
+            continue
+        hint = difflib.get_close_matches(metric, numbers, n=1, cutoff=0.6)
+        what = ("is text, not a number, in" if metric in keys else
+                "is not a key of")
+        raise SweepError(
+            f"{field}={metric!r} {what} the {METRICS_FILE} a run of point {point.key!r} writes "
+            f"on this machine (task {cfg.task.name})"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f"; its numeric keys: {', '.join(numbers)}")
 
 
 def check_data(cfg, point: Point, checked: set[str]) -> None:
