@@ -25,7 +25,7 @@ from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
 from tests.helpers.commands import clean_env
-from tests.helpers.sweeps import OBJECTIVE, options, write_sweep
+from tests.helpers.sweeps import OBJECTIVE, load, options, write_sweep
 
 
 def trials_of(storage) -> list[tuple]:
@@ -232,6 +232,9 @@ def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue
         assert len(continued) == 1, lines
         words = shlex.split(continued[0].split("continue with: ")[1])
         assert Path(words[0]).name == "muoneq" and words[1:] == argv
+        # each trial's message is one line (trials_dataframe, the dashboard), its log in trial.log
+        messages = {t.user_attrs["message"] for t in load(tmp_path).trials}
+        assert messages == {"the sweep was interrupted; the process exited with status 143"}
     finally:  # the trials of a failed test are stopped here (those it found)
         pids = pids or [int(p.read_text()) for p in pid_files if p.is_file() and p.read_text()]
         for pid in pids:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import matplotlib
 import optuna
+import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -31,8 +32,12 @@ TWO_AXES = [{"optimizer": ["muon_nes"], "optimizer.lr": [0.05, 0.1],
 
 
 def run(tmp_path: Path, **fields) -> optuna.Study:
+    return run_seeds(tmp_path, **{"seeds": [0], **fields})
+
+
+def run_seeds(tmp_path: Path, **fields) -> optuna.Study:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], **fields)
+    sweep = write_sweep(tmp_path / "s.yaml", **fields)
     summary = Driver(load_sweep(sweep), options(tmp_path)).run()
     assert summary.exit_code == 0
     return load(tmp_path)
@@ -148,3 +153,31 @@ def test_a_categorical_value_added_later_stays_out_of_params(tmp_path, caplog):
              if TrialRecord.of(t).point["optimizer"] == "adamw"]
     assert len(added) == 1 and added[0].params == {"optimizer.lr": 0.3}
     assert "optimizer=adamw is not in the study's Optuna distribution" in caplog.text
+
+
+def test_optuna_s_own_tools_read_a_grid_study_from_its_journal(tmp_path):
+    """Loaded as a user would (Optuna's JournalStorage on the file), a grid of two seeds per
+    point names its objective, records the best mean over seeds, and trials_dataframe() has a
+    scalar seed column and the objective and the report's metrics as columns."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    run_seeds(tmp_path, seeds=[0, 1],
+              grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3, 0.6]}])
+    journal = tmp_path / "runs" / "tiny" / "optuna.journal"
+    study = optuna.load_study(study_name="tiny",
+                              storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert study.metric_names == ["val_loss"]
+    trials = {(t.params["optimizer.lr"], t.user_attrs["seed"]): t for t in study.trials}
+    assert len(trials) == 6
+    # the program's objective: log2(lr / 0.3)² + 0.001·seed; best mean: lr 0.3, (0 + 0.001) / 2
+    assert study.user_attrs["best_mean"] == {
+        "point": {"optimizer": "muon_nes", "optimizer.lr": 0.3},
+        "key": "optimizer=muon_nes optimizer.lr=0.3", "val_loss": pytest.approx(0.0005),
+        "seeds": [0, 1], "trials": [trials[0.3, 0].number, trials[0.3, 1].number]}
+    assert study.best_trial.number == trials[0.3, 0].number  # Optuna's: one seed, the luckiest
+    frame = study.trials_dataframe()
+    assert frame["user_attrs_seed"].tolist() == [trials[k].user_attrs["seed"] for k in
+                                                 sorted(trials, key=lambda k: trials[k].number)]
+    assert frame["user_attrs_seed"].dtype.kind == "i"
+    assert (frame["user_attrs_val_loss"] == frame["value_val_loss"]).all()  # named

@@ -154,6 +154,19 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+#: why the driver stopped a trial's process, by :class:`Outcome` status
+STOPPED_BY = {"interrupted": "the sweep was interrupted", "pruned": "Optuna's pruner stopped it",
+              "timeout": "it ran past launch.timeout_s"}
+
+
+def stopped_message(reason: str, proc: subprocess.Popen, tail: str) -> str:
+    """One line on a process the driver stopped: why, its exit status, and its own last
+    ``muoneq:`` line (where it saved its step), if any; ``trial.log`` holds the rest."""
+    said = [line for line in tail.splitlines() if line.startswith("muoneq: ")]
+    return (f"{STOPPED_BY[reason]}; the process exited with status {proc.returncode}"
+            + (f": {said[-1]}" if said else ""))
+
+
 def run_process(
     argv: Sequence[str],
     run_dir: Path,
@@ -208,7 +221,7 @@ def run_process(
     metrics = read_metrics(run_dir)
     tail = log_tail(run_dir)
     if reason:
-        return Outcome(reason, metrics, proc.returncode, tail)
+        return Outcome(reason, metrics, proc.returncode, stopped_message(reason, proc, tail))
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
         return Outcome("complete", metrics, proc.returncode)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
