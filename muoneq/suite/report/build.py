@@ -63,7 +63,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     parts += [_line_section(data, lspec, palette, report, writer) for lspec in rep.lines]
     if rep.curves is not None:
         parts.append(_curve_section(data, palette, report, writer))
-    views = optuna_views.write_views(data, out_dir, writer)
+    views = optuna_views.write_views(data, out_dir, writer, palette)
     if views is not None:
         report.files += views.files
         parts.append(optuna_views.to_markdown(views))
