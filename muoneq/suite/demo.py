@@ -112,7 +112,8 @@ def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:
     return [(str(study_dir / "report" / "report.md"),
              "tables, bracketing, speedups, learning curves"),
             (f"{program('tensorboard', 'tensorboard.main')} --logdir {logdir}",
-             "every run's curves, plus the report's figures"),
+             "every run's curves, the HParams view and the report's figures (over 40 runs: "
+             "type seed0 in the runs filter)"),
             (f"{program()} {status}", "the study's counts"),
             (f"{program()} sweep ablation-cifar10 --workers 4",
              "a full-scale study of the paper (GPUs; `make help` in a checkout lists them)")]

@@ -16,6 +16,9 @@ METRICS_FILE = "metrics.json"
 #: set to ``0`` in a run's environment, the run declares no TensorBoard HParams session of its
 #: own: a sweep writes its study's (:mod:`muoneq.suite.sweeps.hparams`), one row per run
 HPARAMS_ENV = "MUONEQ_RUN_HPARAMS"
+#: the run folder's TensorBoard events (its scalars by global step; a sweep adds the run's
+#: HParams session there, one TensorBoard run per run folder)
+TENSORBOARD_DIR = "tensorboard"
 
 #: keys :func:`muoneq.suite.runtime.run.train` writes for every task
 RUN_KEYS = (
