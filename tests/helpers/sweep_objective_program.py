@@ -11,8 +11,9 @@ bookkeeping, not a training run. Other ``key=value`` words
 ``starts.log``, so tests can count how often a run folder was executed. With
 ``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
 ``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
-``muoneq`` does for a config error. It writes its process id to ``pid`` when it starts, and on
-SIGTERM writes ``checkpoint`` (as ``muoneq train`` saves its step) and exits with status 143.
+``muoneq`` does for a config error. It writes its process id to ``pid`` and its
+``OMP_NUM_THREADS`` to ``threads`` when it starts, and on SIGTERM writes ``checkpoint`` (as
+``muoneq train`` saves its step) and exits with status 143.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, save_and_exit)
     (run_dir / "pid").write_text(str(os.getpid()))
+    (run_dir / "threads").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
     with (run_dir / "starts.log").open("a") as fh:
         fh.write(f"{time.time()}\n")
     if args.get("config_error") == "true":

@@ -155,7 +155,7 @@ def _dry_run(spec, options: DriverOptions) -> int:
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
           + ({"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)"}
              .get(spec.kind, ""))
-          + f"; objective {spec.objective.metric} and the report's metrics are keys of their "
-            f"{METRICS_FILE}"
+          + f"; objective {spec.objective.metric} and the report's metrics are numbers their "
+            f"{METRICS_FILE} holds on this machine"
           if composed else "not checked: launch.command does not run `muoneq train`")
     return 0

@@ -50,7 +50,7 @@ from pathlib import Path
 from muoneq.suite.errors import DiskFull
 from muoneq.suite.files import FULL_DISK, full_disk
 from muoneq.suite.sweeps import hparams
-from muoneq.suite.sweeps.launch import KILL_GRACE_S
+from muoneq.suite.sweeps.launch import KILL_GRACE_S, cores, thread_defaults
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
@@ -112,7 +112,9 @@ class Driver:
         self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
         hparams.write_experiment(spec, self.study_dir)
         self.scheduler = Scheduler(self.ledger, self.study_dir)
-        self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
+        self.threads = thread_defaults(spec, self.opts.workers)
+        self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
+                             self.threads)
         self._lock = threading.Lock()
         self.failure: DiskFull | None = None  #: a full disk met by a worker thread
         self.stopped_by: int | None = None  #: the signal that stopped the sweep
@@ -147,6 +149,9 @@ class Driver:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        for name, value in self.threads.items():
+            log.info("each trial runs with %s=%s (%d cores / %d workers; launch.env sets "
+                     "another)", name, value, cores(), self.opts.workers)
         threads = [threading.Thread(target=self._worker, args=(i,), name=f"sweep-worker-{i}")
                    for i in range(self.opts.workers)]
         previous = self._catch_signals()
