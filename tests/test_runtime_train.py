@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
 from muoneq.suite.runtime.metrics import TEXT_KEYS, metric_keys
 from muoneq.suite.runtime.run import find_resume_checkpoint
@@ -145,6 +146,10 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
     for key in ("best", "final", "test/acc", "test/loss", "step_time_s", "peak_memory_gb",
                 "wall_clock_s", "train_seconds"):
         assert isinstance(saved[key], float) and saved[key] >= 0, key
+    # what the step times were measured on: torch's threads, the cores, the machine's load
+    assert (saved["threads"], saved["cores"]) == (torch.get_num_threads(), os.cpu_count())
+    assert saved["device"] == device_name(torch.device("cpu"))
+    assert 0 <= saved["load_avg"] <= saved["load_max"]
     assert saved["best"] >= saved["final"]  # max over the epochs' val/acc
     assert saved["best_val_acc"] == saved["best"]
     assert saved["peak_memory_kind"] == "host_rss"

@@ -63,11 +63,12 @@ import lightning as L
 import numpy as np
 import torch
 
-from muoneq.suite.benchmarks.bench_step import device_label, device_name, sig3
+from muoneq.suite.benchmarks.bench_step import device_label, sig3
 from muoneq.suite.benchmarks.bench_step import main as bench_main
 from muoneq.suite.benchmarks.bench_step import table as bench_table
 from muoneq.suite.files import atomic_write, slug
 from muoneq.suite.folders import CHECKOUT
+from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import compose, train
 from muoneq.suite.runtime.accelerators import synchronize
 from muoneq.suite.runtime.record import session

@@ -29,12 +29,16 @@ RUN_KEYS = (
 #: the run summary of :class:`muoneq.suite.runtime.callbacks.StepStats`, and what it logs per step
 STEP_STATS_KEYS = (
     "step_time_s", "step_time_median_s", "timed_steps", "peak_memory_gb", "peak_memory_kind",
-    "train_seconds",
+    "train_seconds", "device", "threads", "cores", "load_avg", "load_max",
 )
 STEP_LOG_KEYS = ("perf/step_time_s", "perf/peak_memory_gb")
 #: the keys above that hold text (a commit, a name, a path), not a number: never an objective
 TEXT_KEYS = ("status", "task", "optimizer", "paper_metric", "monitor", "monitor_mode", "run_dir",
-             "muoneq_version", "git_commit", "peak_memory_kind")
+             "muoneq_version", "git_commit", "peak_memory_kind", "device")
+#: the keys that time a run (their comparisons depend on the machine's load:
+#: :mod:`muoneq.suite.report.machine`)
+TIMING_KEYS = ("step_time_s", "step_time_median_s", "train_seconds", "wall_clock_s",
+               "tokens_per_s", "perf/step_time_s", "perf/tokens_per_s")
 
 
 def metric_keys(cfg: Any) -> list[str] | None:
