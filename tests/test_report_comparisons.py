@@ -110,6 +110,9 @@ def test_paired_differences_by_seed_against_each_baseline():
     assert r"MuonEq-Nes (R) -- Muon-Nes & 3 & $\mathbf{-0.30\,[-0.55, -0.05]}$ & " \
            r"$+0.020\,[-0.005, +0.045]$ \\" in tex
     assert r"$-0.30$ (n=1)" in tex
+    # worse is marked too, as in the Markdown table (Muon-Nes's step time against AdamW's)
+    assert r"Muon-Nes -- AdamW & 3 & $\mathbf{-5.07\,[-5.21, -4.92]}$ & " \
+           r"$+0.010\,[+0.010, +0.010]$ (worse) \\" in tex
 
 
 def test_a_diverged_or_missing_baseline_gives_no_pairs():
