@@ -181,3 +181,14 @@ def test_a_validation_split_smaller_than_val_tokens_is_one_line_before_any_run(
     assert main(["train", *tiny_args(shards, tmp_path / "run",
                                      f"task.data.val_tokens={budget}")]) == 2
     assert one_line_error(capsys.readouterr().err).startswith("muoneq: " + expected)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    ("seeds=0,1", "seeds is a list; write a list in brackets, quoted for the shell: "
+                  "--set 'seeds=[0,1]'"),
+    ("seeds=[0, 1", "the value is not valid YAML (did not find expected ',' or ']'); write a "
+                    "list in brackets, quoted for the shell: --set 'seeds=[0, 1]'"),
+])
+def test_a_list_set_without_brackets_says_how_lists_are_written(capsys, setting, expected):
+    assert main(["sweep", GPT2, "--set", setting, "--dry-run"]) == 2
+    assert one_line_error(capsys.readouterr().err).endswith(f"with --set {setting}: {expected}")
