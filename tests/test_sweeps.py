@@ -451,3 +451,17 @@ def test_each_trial_s_threads_default_to_the_cores_shared_by_the_workers(
     assert Driver(load_sweep(sweep), options(tmp_path, workers=workers)).run().exit_code == 0
     found = {p.read_text() for p in (tmp_path / "runs" / "tiny").glob("trials/*/seed0/threads")}
     assert found == {str(max(1, cores() // 2)) if expected == "half" else expected}
+
+
+def test_the_sweep_suggests_a_report_only_once_a_run_finished(tmp_path, capsys):
+    from muoneq.suite.cli import main
+
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--poll", "0.1"]
+    failing = write_sweep(tmp_path / "f.yaml", study="failing", seeds=[0],
+                          overrides=["steps=20", "config_error=true"])
+    assert main(["sweep", str(failing), *runs]) == 1
+    out = capsys.readouterr().out
+    assert "0/2 runs done, 2 failed for good" in out and "report:" not in out
+    assert main(["sweep", str(write_sweep(tmp_path / "s.yaml", seeds=[0])), *runs]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("report: ")]
+    assert line.endswith(f" report {tmp_path / 'runs' / 'tiny'}")

@@ -159,15 +159,18 @@ def test_a_categorical_value_added_later_stays_out_of_params(tmp_path, caplog):
     assert "optimizer=adamw is not in the study's Optuna distribution" in caplog.text
 
 
-def test_optuna_s_own_tools_read_a_grid_study_from_its_journal(tmp_path):
+def test_optuna_s_own_tools_read_a_grid_study_from_its_journal(tmp_path, caplog):
     """Loaded as a user would (Optuna's JournalStorage on the file), a grid of two seeds per
     point names its objective, records the best mean over seeds, and trials_dataframe() has a
     scalar seed column and the objective and the report's metrics as columns."""
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
+    caplog.set_level("INFO", logger="muoneq.suite.sweeps")
     run_seeds(tmp_path, seeds=[0, 1],
               grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3, 0.6]}])
+    # the log says each value to 4 significant digits: log2(0.1 / 0.3)² = 2.51211…
+    assert "(optimizer=muon_nes optimizer.lr=0.1 | seed=0): val_loss = 2.512\n" in caplog.text
     journal = tmp_path / "runs" / "tiny" / "optuna.journal"
     study = optuna.load_study(study_name="tiny",
                               storage=JournalStorage(JournalFileBackend(str(journal))))

@@ -410,8 +410,7 @@ class Ledger:
                 log.warning("trial %d: TensorBoard HParams not written: %s", number, err)
         metric = self.spec.objective.metric
         if verdict.outcome == "complete":
-            log.info("trial %d (%s): %s = %s", number, key, metric,
-                     format_value(float(verdict.value)))
+            log.info("trial %d (%s): %s = %.4g", number, key, metric, verdict.value)
         elif verdict.outcome == "diverged":
             log.info("trial %d (%s): diverged (%s)", number, key, verdict.message)
         elif verdict.missing_metric:
