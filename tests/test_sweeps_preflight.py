@@ -122,8 +122,13 @@ def test_metrics_json_without_the_objective_lists_its_keys(tmp_path, caplog):
                           "of objective: direction, metric"),
     ("bracket.axs=[x]", "unknown key 'bracket.axs'; did you mean 'axes'?; allowed keys of "
                         "bracket: axes, bounds, max_extensions, scale"),
+    # a list written without brackets, or not as YAML: how lists are written
+    ("seeds=0,1", "seeds is a list; write a list in brackets, quoted for the shell: "
+                  "--set 'seeds=[0,1]'"),
+    ("seeds=[0, 1", "the value is not valid YAML (did not find expected ',' or ']'); write a "
+                    "list in brackets, quoted for the shell: --set 'seeds=[0, 1]'"),
 ])
-def test_an_unknown_sweep_key_is_one_line_with_a_did_you_mean(capsys, setting, expected):
+def test_a_set_mistake_is_one_line_with_a_did_you_mean(capsys, setting, expected):
     assert main(["sweep", GPT2, "--set", setting, "--dry-run"]) == 2
     err = one_line_error(capsys.readouterr().err)
     assert f"with --set {setting}: {expected}" in err and "full_key" not in err
@@ -181,14 +186,3 @@ def test_a_validation_split_smaller_than_val_tokens_is_one_line_before_any_run(
     assert main(["train", *tiny_args(shards, tmp_path / "run",
                                      f"task.data.val_tokens={budget}")]) == 2
     assert one_line_error(capsys.readouterr().err).startswith("muoneq: " + expected)
-
-
-@pytest.mark.parametrize(("setting", "expected"), [
-    ("seeds=0,1", "seeds is a list; write a list in brackets, quoted for the shell: "
-                  "--set 'seeds=[0,1]'"),
-    ("seeds=[0, 1", "the value is not valid YAML (did not find expected ',' or ']'); write a "
-                    "list in brackets, quoted for the shell: --set 'seeds=[0, 1]'"),
-])
-def test_a_list_set_without_brackets_says_how_lists_are_written(capsys, setting, expected):
-    assert main(["sweep", GPT2, "--set", setting, "--dry-run"]) == 2
-    assert one_line_error(capsys.readouterr().err).endswith(f"with --set {setting}: {expected}")
