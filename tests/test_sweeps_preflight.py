@@ -2,9 +2,10 @@
 every start alike: a misspelled objective or report metric stops it before any run, with the
 closest key and the numeric keys the task writes, and so does one that is text or not measured
 on this machine; a changed objective is refused by ``--dry-run`` as by the real run; ``--status``
-and ``--dry-run`` create nothing; an unknown sweep key is one line with a did-you-mean; ``make
-report`` skips a study without results and reports the others; a validation split smaller than
-``task.data.val_tokens`` is one line before any run.
+and ``--dry-run`` create nothing; an unknown sweep key is one line with a did-you-mean, a list
+set without brackets one saying how to write it; ``make report`` skips a study without results
+and reports the others; a validation split smaller than ``task.data.val_tokens`` is one line
+before any run.
 """
 
 from __future__ import annotations
