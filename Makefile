@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .DEFAULT_GOAL := help
 .PHONY: help install test test-fast lint demo data-fineweb data-c4 train-llama-tiny figure-ns-geometry bench
 .PHONY: ablation-cifar10 ablation-gpt2 heatmap-gpt2 ksweep-gpt2 lrsweep-llama130m
-.PHONY: lrsweep-llama350m table-llama report
+.PHONY: lrsweep-llama350m table-llama report tensorboard
 .PHONY: train-cifar10
 
 help: ## list every target
@@ -110,6 +110,9 @@ report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); d
 		done; \
 		[ $$found = 1 ] || { echo "muoneq: no study under $(RUNS)/; run a sweep target first, or pass STUDY=runs/<name>" >&2; exit 2; }; \
 	fi
+
+tensorboard: $(STAMP) ## TensorBoard on STUDY=runs/<name> (default: every study in RUNS=runs/) at http://localhost:6006 (ARGS="--port 6007")
+	$(VENV)/bin/tensorboard --logdir $(or $(STUDY),$(RUNS)) $(ARGS)
 
 # One run of the paper's CIFAR-10 recipe (conf/experiment/cifar10_resnet18.yaml), e.g.
 #   make train-cifar10 OPT=muoneq_nes SEED=1 ARGS="optimizer.mode=RC trainer.devices=4"

@@ -4,7 +4,8 @@ say their timings are smoke values, FLOP and thread counts read right."""
 import pytest
 import torch
 
-from muoneq.suite.benchmarks.bench_step import device_label, device_name, sig3, table
+from muoneq.suite.benchmarks.bench_step import device_label, sig3, table
+from muoneq.suite.machine import device_name
 
 
 def row(ms: float, vs_torch: float, vs_muon: float, ns_dtype: str = "bfloat16") -> dict:

@@ -135,6 +135,19 @@ def test_make_report(tmp_path):
     assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
 
 
+def test_make_tensorboard_reads_a_study(tmp_path):
+    """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's);
+    ``ARGS=--inspect`` reads the events instead of starting the server."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "runs" / "s" / "trials" / "a" / "tensorboard")) as w:
+        w.add_scalar("val/ppl", 5.0, 1)
+    done = make("tensorboard", f"STUDY={tmp_path / 'runs' / 's'}", "ARGS=--inspect",
+                env=clean_env(PATH="/usr/bin:/bin"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "val/ppl" in done.stdout
+
+
 @pytest.mark.slow
 def test_make_sweep_targets_dry_run_compose_every_value(tmp_path):
     """Each paper study's target, as documented with ARGS=--dry-run: every value of every axis
@@ -224,6 +237,7 @@ README_COMMANDS: dict[str, Doc] = {
     "optuna-dashboard runs/heatmap-gpt2/optuna.journal":
         Doc("skip", "a web server on a finished study; tests/test_sweeps_optuna.py checks the "
                     "params, distributions and trials_dataframe() it reads"),
+    "make tensorboard STUDY=runs/heatmap-gpt2": Doc("make", MAKE_TEST),
     "make gpu-check": Doc("make", "tests/test_gpu_check.py runs it through make, QUICK=1"),
     "make gpu-wheels": Doc("skip", "downloads wheels from the package registry"),
     "bash benchmarks/gpu_machine.sh check":
@@ -403,6 +417,31 @@ def test_slurm_tasks_end_where_one_process_does(one_process, tmp_path, monkeypat
     line = one_line_error(capsys.readouterr().err)
     assert "`--ntasks-per-node=1` does not match" in line and "trainer.devices (4)" in line
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+# ------------------------------------------------------------------------- documented Python
+def test_the_documented_python_that_reads_a_study_runs(tmp_path, monkeypatch, capsys):
+    """docs/sweeps.md's snippet, as written, on a study named as it names it (the trials run the
+    objective program, writing ``val/ppl``)."""
+    from muoneq.suite.sweeps import Driver
+    from tests.helpers.sweeps import options, write_sweep
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "sweeps.md").read_text(), re.S)
+    (snippet,) = [b for b in blocks if "load_study" in b]
+    sweep = write_sweep(tmp_path / "demo.yaml", study="demo", seeds=[0, 1],
+                        overrides=["steps=20", "metric=val/ppl"],
+                        objective={"metric": "val/ppl", "direction": "minimize"},
+                        grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3]}])
+    assert Driver(load_sweep(sweep), options(tmp_path)).run().exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "docs/sweeps.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "'key': 'optimizer=muon_nes optimizer.lr=0.3', 'val/ppl': 0.0005" in out
+    header, *rows = out.splitlines()[1:]
+    assert header.split() == ["number", "params_optimizer.lr", "user_attrs_seed", "value_val/ppl",
+                              "user_attrs_outcome"]
+    assert [row.split()[1:3] for row in rows] == [["0.1", "0"], ["0.1", "1"], ["0.3", "0"],
+                                                  ["0.3", "1"]]
 
 
 # -------------------------------------------------------------------------- documented signature

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from muoneq.suite.benchmarks import gpu_check
-from muoneq.suite.benchmarks.bench_step import device_name
+from muoneq.suite.machine import device_name
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -15,6 +15,7 @@ from muoneq_tasks.language.data import (
     PackedSequences,
     SequenceSampler,
     ShardedEvalSampler,
+    SplitTooSmall,
     TokenStream,
     validation_sequences,
 )
@@ -157,5 +158,8 @@ def test_validation_budget_is_exact(stream, world):
 def test_validation_errors(stream):
     with pytest.raises(ValueError, match="multiple of the sequence length 64"):
         validation_sequences(stream, 64, 1000)
-    with pytest.raises(ValueError, match="has 5003 tokens; data.val_tokens=5120 needs 5121"):
+    with pytest.raises(SplitTooSmall) as err:  # a UserError: one line, exit 2
         validation_sequences(stream, 64, 5120)
+    assert str(err.value).startswith(
+        "task.data.val_tokens=5120 needs 5121 tokens of the validation split, which has 5003 (")
+    assert "lower task.data.val_tokens to 4992 or less, or prepare" in str(err.value)

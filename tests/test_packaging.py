@@ -375,6 +375,9 @@ def test_the_wheel_holds_the_library_the_suite_and_its_files(wheel):
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         entry_points = archive.read(entry_points).decode()
     assert requirement_names(metadata, None) == {"torch", "numpy"}
+    # the license as an SPDX expression (PEP 639): setuptools ≥ 77 prints a deprecation banner
+    # at every build of a project whose license is a TOML table
+    assert "\nLicense-Expression: Apache-2.0\n" in metadata
     assert {"lightning", "omegaconf", "optuna", "torchvision"} <= requirement_names(
         metadata, "suite")
     code = {str(p.relative_to(root)) for root, top in SOURCE_ROOTS

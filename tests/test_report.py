@@ -281,10 +281,22 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
     assert len(list((report.out_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     markdown = (report.out_dir / "report.md").read_text()
     pngs = sorted(p.name for p in report.out_dir.glob("*.png"))
-    assert pngs == ["heatmap_Muon-Nes.png", "heatmap_MuonEq-Nes.png", "optuna_contour.png",
-                    "optuna_importances.png", "optuna_slice.png", "robustness.png"]
+    assert pngs == ["heatmap_Muon-Nes.png", "heatmap_MuonEq-Nes.png",
+                    "optuna_contour_Muon-Nes.png", "optuna_contour_MuonEq-Nes.png",
+                    "optuna_slice_Muon-Nes.png", "optuna_slice_MuonEq-Nes.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
+
+
+def test_heatmap_cells_side_by_side_print_apart(tmp_path):
+    """11.06 and 11.12 next to each other: not both "11.1"."""
+    values = {(0.02, 0.9): 11.06, (0.04, 0.9): 11.12, (0.02, 0.95): 12.5, (0.04, 0.95): 13.0}
+    rows = [(opt("muon_nes", lr, **{"optimizer.momentum": m}), [v])
+            for (lr, m), v in values.items()]
+    (panel,) = heatmaps(runs_of(rows, "ppl"), HeatmapSpec(), [*AXES, "optimizer.momentum"],
+                        "ppl", "minimize", tmp_path)
+    texts = sorted(t.get_text() for t in panel.figure.axes[0].texts)
+    assert texts == ["11.06", "11.12", "12.50", "13.00"]
 
 
 def test_rows_run_at_one_momentum_get_no_heatmap(tmp_path):
@@ -303,6 +315,11 @@ def test_number_format_is_one_for_the_figure():
     assert number_format([9.87, 10.4, 10.0]) == ".2f"  # 9.87, 10.40, 10.00
     assert number_format([0.0123, 0.5]) == ".4f"
     assert number_format([123.0, 4567.0, float("nan")]) == ".0f"
+    # neighbours that would print alike get the digits that tell them apart (up to 5 sig.)
+    assert number_format([11.06, 11.12, 12.0], [(11.06, 11.12), (11.12, 12.0)]) == ".2f"
+    assert number_format([11.061, 11.064], [(11.061, 11.064)]) == ".3f"
+    assert number_format([11.0611, 11.0612], [(11.0611, 11.0612)]) == ".3f"  # at most 5
+    assert number_format([11.0, 11.0], [(11.0, 11.0)]) == ".1f"  # equal values: nothing to tell
 
 
 def test_a_method_keeps_its_colour_in_every_figure_and_one_point_is_marked(tmp_path):

@@ -110,6 +110,9 @@ def test_paired_differences_by_seed_against_each_baseline():
     assert r"MuonEq-Nes (R) -- Muon-Nes & 3 & $\mathbf{-0.30\,[-0.55, -0.05]}$ & " \
            r"$+0.020\,[-0.005, +0.045]$ \\" in tex
     assert r"$-0.30$ (n=1)" in tex
+    # worse is marked too, as in the Markdown table (Muon-Nes's step time against AdamW's)
+    assert r"Muon-Nes -- AdamW & 3 & $\mathbf{-5.07\,[-5.21, -4.92]}$ & " \
+           r"$+0.010\,[+0.010, +0.010]$ (worse) \\" in tex
 
 
 def test_a_diverged_or_missing_baseline_gives_no_pairs():
@@ -285,3 +288,21 @@ def test_a_registered_optimizer_brings_its_label_and_counterpart(monkeypatch):
     with pytest.raises(ValueError, match="counterpart 'mu0n' is not registered"):
         registry.register_optimizer("other", registry.OptimizerSpec(
             spec.factory, counterpart="mu0n"))
+
+
+def test_a_timing_column_says_what_it_ran_on_and_when_the_machine_was_busy():
+    from muoneq.suite.report.machine import timing_note
+
+    def run(load):
+        return {"device": "AMD EPYC 7B13", "threads": 1, "cores": 2, "load_avg": load}
+
+    idle = timing_note([run(1.2), run(1.9)], ["val/ppl", "step_time_s"])
+    assert idle == ("\nstep_time_s measured on AMD EPYC 7B13, 1 CPU thread(s) per run, 2 cores; "
+                    "the machine's 1-minute load average at the timed steps was 1.2 to 1.9 "
+                    "(mean per run).\n")
+    busy = timing_note([run(1.2), run(2.5), run(3.9)], ["step_time_s"])
+    assert ("**The machine was busy** (a load above its cores) during 2 of 3 runs: a difference "
+            "in step_time_s may be the load's, not the optimizers'") in busy
+    assert timing_note([run(3.0)], ["val/ppl"]) == ""  # no timing column: nothing to say
+    old = timing_note([{"step_time_s": 0.1}], ["step_time_s"])
+    assert "did not record the machine's load" in old

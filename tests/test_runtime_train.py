@@ -18,8 +18,9 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
-from muoneq.suite.runtime.metrics import metric_keys
+from muoneq.suite.runtime.metrics import TEXT_KEYS, metric_keys
 from muoneq.suite.runtime.run import find_resume_checkpoint
 from muoneq_tasks.vision.cifar10_data import load_cifar10, normalize
 from muoneq_tasks.vision.resnet import CifarResNet
@@ -74,9 +75,13 @@ def test_every_experiment_runs_one_tiny_step(tmp_path, path):
     assert np.isfinite(metrics[metrics["paper_metric"]])  # test/acc, val/ppl
     # what a sweep checks its objective against before it runs anything
     # (muoneq.suite.runtime.metrics):
-    # every key written is declared; declared and absent only MFU, where no device peak is known
+    # every key written with a value is declared (MFU, null on a CPU, is not: a sweep refuses
+    # it as its objective), and those of TEXT_KEYS hold text, the others numbers (step times
+    # are null after one step: the first is not timed)
     declared = set(metric_keys(cfg))
-    assert set(metrics) <= declared and declared - set(metrics) <= {"perf/mfu"}
+    valued = {k for k, v in metrics.items() if v is not None}
+    assert valued <= declared and ("mfu" in declared) == (metrics.get("mfu") is not None)
+    assert {k for k in valued if isinstance(metrics[k], str)} == valued & set(TEXT_KEYS)
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -141,6 +146,10 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
     for key in ("best", "final", "test/acc", "test/loss", "step_time_s", "peak_memory_gb",
                 "wall_clock_s", "train_seconds"):
         assert isinstance(saved[key], float) and saved[key] >= 0, key
+    # what the step times were measured on: torch's threads, the cores, the machine's load
+    assert (saved["threads"], saved["cores"]) == (torch.get_num_threads(), os.cpu_count())
+    assert saved["device"] == device_name(torch.device("cpu"))
+    assert 0 <= saved["load_avg"] <= saved["load_max"]
     assert saved["best"] >= saved["final"]  # max over the epochs' val/acc
     assert saved["best_val_acc"] == saved["best"]
     assert saved["peak_memory_kind"] == "host_rss"

@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 import muoneq
 from muoneq.suite.sweeps import Driver, SweepError, load_sweep
 from muoneq.suite.sweeps.validate import check_trials
-from tests.helpers.sweeps import REPO, load, options, write_sweep
+from tests.helpers.sweeps import COMMAND, REPO, load, options, write_sweep
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function
 #: (helpers.sweeps.COMMAND); pruning needs a learning curve: a real optimization (this program)
@@ -433,3 +433,38 @@ def test_a_run_finished_after_its_driver_died_is_told_not_rerun(tmp_path):
     assert (t.number, t.state) == (job.number, TrialState.COMPLETE)
     assert t.value == json.loads((run_dir / "metrics.json").read_text())["val_loss"]
     assert (run_dir / "starts.log").read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize(("workers", "environ", "launch_env", "expected"), [
+    (2, None, {}, "half"),  # the cores shared out between the trials at once
+    (1, None, {}, "unset"),  # one trial: torch's default (every core)
+    (2, "1", {}, "1"),  # the environment's
+    (2, None, {"OMP_NUM_THREADS": "3"}, "3"),  # launch.env's
+])
+def test_each_trial_s_threads_default_to_the_cores_shared_by_the_workers(
+        tmp_path, monkeypatch, workers, environ, launch_env, expected):
+    from muoneq.suite.sweeps.launch import cores
+
+    if environ is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", environ)
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0],
+                        launch={"command": COMMAND, "env": launch_env})
+    assert Driver(load_sweep(sweep), options(tmp_path, workers=workers)).run().exit_code == 0
+    found = {p.read_text() for p in (tmp_path / "runs" / "tiny").glob("trials/*/seed0/threads")}
+    assert found == {str(max(1, cores() // 2)) if expected == "half" else expected}
+
+
+def test_the_sweep_suggests_a_report_only_once_a_run_finished(tmp_path, capsys):
+    from muoneq.suite.cli import main
+
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--poll", "0.1"]
+    failing = write_sweep(tmp_path / "f.yaml", study="failing", seeds=[0],
+                          overrides=["steps=20", "config_error=true"])
+    assert main(["sweep", str(failing), *runs]) == 1
+    out = capsys.readouterr().out
+    assert "0/2 runs done, 2 failed for good" in out and "report:" not in out
+    assert main(["sweep", str(write_sweep(tmp_path / "s.yaml", seeds=[0])), *runs]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("report: ")]
+    assert line.endswith(f" report {tmp_path / 'runs' / 'tiny'}")

@@ -1,11 +1,16 @@
 """Fault injection on sweeps: a journal cut mid-record (at every byte of its last record), a
 journal appended onto a cut record or holding a line that is no record, a malformed sweep file,
 a full disk, files out of reach, a damaged trial.json, a trial that diverged, another machine's
-clock."""
+clock, Ctrl-C on a running sweep."""
 
 from __future__ import annotations
 
 import errno
+import os
+import shlex
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +26,8 @@ from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
 from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
-from tests.helpers.sweeps import options, write_sweep
+from tests.helpers.commands import clean_env
+from tests.helpers.sweeps import OBJECTIVE, load, options, write_sweep
 
 
 def trials_of(storage) -> list[tuple]:
@@ -213,6 +219,16 @@ def test_a_trial_that_diverged_is_recorded_as_diverged():
     assert judge([launch.Outcome("complete", metrics)], [0], "best").outcome == "diverged"
 
 
+def test_a_finished_run_without_a_number_for_the_objective_is_not_a_divergence():
+    """MFU where no peak FLOP/s is known: null, which no retry changes (it was "diverged")."""
+    metrics = {"status": "finished", "mfu": None, "val/ppl": 5.0, "git_commit": "abc"}
+    verdict = judge([launch.Outcome("complete", metrics, returncode=0)], [0], "mfu")
+    assert (verdict.state, verdict.outcome) == (TrialState.FAIL, "config_error")
+    assert verdict.missing_metric  # logged as "not retried: fix objective.metric"
+    assert verdict.message == ("metrics.json has 'mfu' = null (objective.metric: not measured "
+                               "by this run, or not finite); it has numbers for: val/ppl")
+
+
 def test_of_two_racing_claims_exactly_one_goes_on(tmp_path):
     """Two drivers claim the same run; each wrote its claim before looking, but only the
     lower-numbered one saw the other's (the case that ran a run twice on PostgreSQL)."""
@@ -314,3 +330,73 @@ def test_a_run_that_found_the_disk_full_stops_the_sweep_at_once(tmp_path, capsys
     trial = optuna.load_study(study_name="tiny",
                               storage=open_storage(None, runs / "tiny")).get_trials()[0]
     assert trial.user_attrs["outcome"] == "disk_full"  # not a failure: no retry used up
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs the objective program (a pid that was reaped may be
+    reused by an unrelated process)."""
+    try:
+        return str(OBJECTIVE) in Path(f"/proc/{pid}/cmdline").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait_for(condition, process: subprocess.Popen, what: str, log: Path,
+              limit_s: float = 120) -> None:
+    """Wait until ``condition()`` holds (checked every 0.1 s); fail, naming ``what`` and the
+    sweep's log, when the sweep exits first or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"waiting for {what}: the sweep exited with {process.returncode}\n"
+                        f"{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue(tmp_path,
+                                                                                 workers):
+    """Ctrl-C in the terminal of a real ``muoneq sweep`` while its trial processes run: each
+    trial gets SIGTERM (and saves), the driver waits for them, exits 130 and prints the command
+    that continues; no trial process outlives it (on Python 3.11 and 3.12 a KeyboardInterrupt
+    in the driver's join let it exit at once while its trials trained on)."""
+    optimizers = ["muon_nes", "muoneq_nes"][:workers]
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "sleep_s=600"],
+                       grid=[{"optimizer": optimizers, "optimizer.lr": [0.02]}])
+    runs = tmp_path / "runs"
+    argv = ["sweep", str(path), "--workers", str(workers), "--runs-dir", str(runs)]
+    log = tmp_path / "sweep.log"
+    with log.open("w") as out:
+        # its own process group, as a shell's foreground job: the terminal's SIGINT reaches
+        # every process of it (the trials run in sessions of their own)
+        sweep = subprocess.Popen([sys.executable, "-m", "muoneq", *argv], stdout=out,
+                                 stderr=subprocess.STDOUT, env=clean_env(),
+                                 start_new_session=True)
+    pid_files = [runs / "tiny" / "trials" / f"optimizer={name},optimizer.lr=0.02" / "seed0" / "pid"
+                 for name in optimizers]
+    pids: list[int] = []
+    try:
+        _wait_for(lambda: all(p.is_file() and p.read_text() for p in pid_files), sweep,
+                  "the trials to start", log)
+        pids[:] = [int(p.read_text()) for p in pid_files]
+        os.killpg(sweep.pid, signal.SIGINT)
+        sweep.wait(timeout=300)
+        assert sweep.returncode == 130, log.read_text()[-3000:]
+        assert [_alive(pid) for pid in pids] == [False] * workers
+        for p in pid_files:
+            assert (p.parent / "checkpoint").read_text() == "SIGTERM"
+        lines = log.read_text().splitlines()
+        continued = [line for line in lines if "continue with: " in line]
+        assert len(continued) == 1, lines
+        words = shlex.split(continued[0].split("continue with: ")[1])
+        assert Path(words[0]).name == "muoneq" and words[1:] == argv
+        # each trial's message is one line (trials_dataframe, the dashboard), its log in trial.log
+        messages = {t.user_attrs["message"] for t in load(tmp_path).trials}
+        assert messages == {"the sweep was interrupted; the process exited with status 143"}
+    finally:  # the trials of a failed test are stopped here (those it found)
+        pids = pids or [int(p.read_text()) for p in pid_files if p.is_file() and p.read_text()]
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()

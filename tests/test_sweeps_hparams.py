@@ -37,6 +37,9 @@ def test_a_two_axis_study_declares_its_axes_and_metrics_and_one_session_per_run(
     assert exp.metric_infos[0].description == "the study's objective (lower is better)"
     runs = sorted(study_dir.glob("trials/*/seed*"))
     assert len(runs) == 8
+    # one TensorBoard run per run folder (its session beside its curves), and the study's config
+    found = {p.parent.relative_to(study_dir) for p in study_dir.rglob("events.out.tfevents.*")}
+    assert found == {Path("hparams"), *(r.relative_to(study_dir) / "tensorboard" for r in runs)}
     for run_dir in runs:
         group, hparams, scalars = session(run_dir)
         # its row: its swept values (its folder bears its whole point); its seeds share it
@@ -44,7 +47,8 @@ def test_a_two_axis_study_declares_its_axes_and_metrics_and_one_session_per_run(
         assert run_dir.parent.name == (f"optimizer=muon_nes,optimizer.lr={lr:g},"
                                        f"optimizer.momentum={momentum:g},optimizer.ns_steps=5")
         assert group == f"lr={lr:g} momentum={momentum:g}"
-        assert hparams["optimizer"] == "muon_nes" and hparams["optimizer.ns_steps"] == 5
+        # K is an integer: text, since TensorBoard prints every number as 5.0000
+        assert hparams["optimizer"] == "muon_nes" and hparams["optimizer.ns_steps"] == "5"
         # a value for every declared one (TensorBoard's parallel coordinates drop a row that
         # lacks one): no config.yaml here, so no mode
         assert {h.name for h in exp.hparam_infos} <= set(hparams)

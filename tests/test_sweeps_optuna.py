@@ -6,10 +6,12 @@ Optuna's importances, contour and slice plots, also for a study made before tria
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import matplotlib
 import optuna
+import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -31,8 +33,12 @@ TWO_AXES = [{"optimizer": ["muon_nes"], "optimizer.lr": [0.05, 0.1],
 
 
 def run(tmp_path: Path, **fields) -> optuna.Study:
+    return run_seeds(tmp_path, **{"seeds": [0], **fields})
+
+
+def run_seeds(tmp_path: Path, **fields) -> optuna.Study:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0], **fields)
+    sweep = write_sweep(tmp_path / "s.yaml", **fields)
     summary = Driver(load_sweep(sweep), options(tmp_path)).run()
     assert summary.exit_code == 0
     return load(tmp_path)
@@ -108,9 +114,11 @@ def test_distributions_cover_bracketing_and_only_widen():
 
 def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
     """A study made before trials carried params (points in user attributes only) reports
-    Optuna's importances, contour and slice plots from its points."""
+    Optuna's importances, contour and slice plots from its points (10: enough for importances
+    of its top 5)."""
     sweep = {"study": "old", "experiment": "cifar10_resnet18", "seeds": [0],
-             "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.01, 0.02, 0.04],
+             "grid": [{"optimizer": ["muon_nes"],
+                       "optimizer.lr": [0.005, 0.01, 0.02, 0.04, 0.08],
                        "optimizer.momentum": [0.9, 0.95]}],
              "objective": {"metric": "test_acc", "direction": "maximize"}}
     _, spec, study = stored_study(tmp_path, sweep)
@@ -129,7 +137,8 @@ def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
     events.Reload()
     assert {"optuna/contour", "optuna/slice", "optuna/importances"} <= set(
         events.Tags()["images"])
-    assert "| optimizer.lr |" in report.markdown and "| optimizer.momentum |" in report.markdown
+    assert "| optimizer | top points | lr | momentum |" in report.markdown
+    assert "| all runs | 5 of 10 | " in report.markdown  # one optimizer: all points one family
 
 
 def test_report_of_a_one_axis_study_has_no_optuna_views(tmp_path):
@@ -148,3 +157,113 @@ def test_a_categorical_value_added_later_stays_out_of_params(tmp_path, caplog):
              if TrialRecord.of(t).point["optimizer"] == "adamw"]
     assert len(added) == 1 and added[0].params == {"optimizer.lr": 0.3}
     assert "optimizer=adamw is not in the study's Optuna distribution" in caplog.text
+
+
+def test_optuna_s_own_tools_read_a_grid_study_from_its_journal(tmp_path, caplog):
+    """Loaded as a user would (Optuna's JournalStorage on the file), a grid of two seeds per
+    point names its objective, records the best mean over seeds, and trials_dataframe() has a
+    scalar seed column and the objective and the report's metrics as columns."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    caplog.set_level("INFO", logger="muoneq.suite.sweeps")
+    run_seeds(tmp_path, seeds=[0, 1],
+              grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3, 0.6]}])
+    # the log says each value to 4 significant digits: log2(0.1 / 0.3)² = 2.51211…
+    assert "(optimizer=muon_nes optimizer.lr=0.1 | seed=0): val_loss = 2.512\n" in caplog.text
+    journal = tmp_path / "runs" / "tiny" / "optuna.journal"
+    study = optuna.load_study(study_name="tiny",
+                              storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert study.metric_names == ["val_loss"]
+    trials = {(t.params["optimizer.lr"], t.user_attrs["seed"]): t for t in study.trials}
+    assert len(trials) == 6
+    # the program's objective: log2(lr / 0.3)² + 0.001·seed; best mean: lr 0.3, (0 + 0.001) / 2
+    assert study.user_attrs["best_mean"] == {
+        "point": {"optimizer": "muon_nes", "optimizer.lr": 0.3},
+        "key": "optimizer=muon_nes optimizer.lr=0.3", "val_loss": pytest.approx(0.0005),
+        "seeds": [0, 1], "trials": [trials[0.3, 0].number, trials[0.3, 1].number]}
+    assert study.best_trial.number == trials[0.3, 0].number  # Optuna's: one seed, the luckiest
+    frame = study.trials_dataframe()
+    assert frame["user_attrs_seed"].tolist() == [trials[k].user_attrs["seed"] for k in
+                                                 sorted(trials, key=lambda k: trials[k].number)]
+    assert frame["user_attrs_seed"].dtype.kind == "i"
+    assert (frame["user_attrs_val_loss"] == frame["value_val_loss"]).all()  # named
+
+
+def demo_like(tmp_path: Path, seeds=(0, 1)):
+    """A demo-like study in storage: Muon-Nes, MuonEq-Nes R and C and AdamW, each over an lr
+    grid inside one decade, AdamW ~6 worse; values ``base + log2(lr / best)² + 0.1·seed``."""
+    from muoneq.suite.report.tables import setting_label
+
+    sweep = {"study": "demo-like", "experiment": "llama_tiny_shakespeare", "seeds": list(seeds),
+             "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.02, 0.04, 0.08]},
+                      {"optimizer": ["muoneq_nes"], "optimizer.mode": ["R", "C"],
+                       "optimizer.lr": [0.02, 0.04, 0.08]},
+                      {"optimizer": ["adamw"], "optimizer.lr": [0.001, 0.003, 0.01]}],
+             "objective": {"metric": "val/ppl", "direction": "minimize"}}
+    _, spec, study = stored_study(tmp_path, sweep)
+    base = {"Muon-Nes": 6.2, "MuonEq-Nes (R)": 5.7, "MuonEq-Nes (C)": 6.1, "AdamW": 12.7}
+    means = {}
+    for p in spec.points():
+        point = p.as_dict()
+        best = 0.003 if point["optimizer"] == "adamw" else 0.04
+        mean = base[setting_label(point).split(" | ")[0]] + math.log2(
+            point["optimizer.lr"] / best) ** 2
+        for seed in seeds:
+            add_trial(study, (point, p.key), seed, mean + 0.1 * seed,
+                      metrics={"val/ppl": mean + 0.1 * seed})
+        means[p.key] = mean + 0.1 * statistics.fmean(seeds)
+    return load_study_data(tmp_path / "runs" / "demo-like"), means
+
+
+def test_optuna_views_per_optimizer_from_point_means_with_every_axis_labelled(tmp_path):
+    """A slice plot per optimizer (the mode as categories), no contour (one numeric axis; none
+    across optimizers or modes), no importances (too few points per optimizer); each point is
+    its mean over seeds, and an lr grid inside one decade is labelled at its values."""
+    from optuna.visualization import matplotlib as views
+
+    from muoneq.suite.report import optuna_views
+
+    data, means = demo_like(tmp_path)
+    report = write_report(data, tensorboard=False)
+    files = sorted(p.name for p in report.out_dir.glob("optuna_*.png"))
+    assert files == ["optuna_slice_AdamW.png", "optuna_slice_Muon-Nes.png",
+                     "optuna_slice_MuonEq-Nes.png"]
+    assert ("No importances for Muon-Nes (3 points), MuonEq-Nes (6 points), AdamW (3 points)"
+            in report.markdown)
+    points, varying, _ = optuna_views.point_means(data)
+    assert varying == ["optimizer", "optimizer.lr", "optimizer.mode"]
+    assert sorted(p.mean for p in points) == pytest.approx(sorted(means.values()))
+    (muoneq,) = [f for f in optuna_views.optimizer_families(data, points, varying)
+                 if f.label == "MuonEq-Nes"]
+    assert muoneq.axes == ["optimizer.lr", "optimizer.mode"]
+    fig = views.plot_slice(optuna_views.point_study(muoneq.points, muoneq.axes, data),
+                           params=muoneq.axes)[0].figure
+    optuna_views._label_axes(fig, muoneq.points)
+    lr, mode = fig.axes[:2]
+    assert [t.get_text() for t in lr.get_xticklabels()] == ["0.02", "0.04", "0.08"]
+    assert lr.get_xscale() == "log" and lr.get_xlabel() == "lr"
+    assert sorted(t.get_text() for t in mode.get_xticklabels()) == ["C", "R"]
+    assert sorted(lr.collections[0].get_offsets()[:, 1]) == pytest.approx(sorted(
+        means[k] for k in means if k.startswith("optimizer=muoneq_nes")))
+
+
+def test_an_integer_axis_is_labelled_as_integers():
+    """K in a contour: ticks 4 and 5, not 4.0, 4.2, …"""
+    from optuna.visualization import matplotlib as views
+
+    from muoneq.suite.report import optuna_views
+    from muoneq.suite.report.records import StudyData
+
+    points = [optuna_views.PointMean({"optimizer.lr": lr, "optimizer.ns_steps": k}, lr * k)
+              for lr in (0.01, 0.02, 0.04) for k in (4, 5)]
+    spec = spec_from_dict({"study": "k", "experiment": "e", "objective": {"metric": "m"},
+                           "grid": [{"optimizer.lr": [0.01, 0.02, 0.04],
+                                     "optimizer.ns_steps": [4, 5]}]})
+    data = StudyData(spec, Path("."), [])
+    study = optuna_views.point_study(points, ["optimizer.lr", "optimizer.ns_steps"], data)
+    fig = views.plot_contour(study, params=["optimizer.lr", "optimizer.ns_steps"]).figure
+    optuna_views._label_axes(fig, points)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["4", "5"] and ax.get_ylabel() == "K"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.01", "0.02", "0.04"]

@@ -1,8 +1,11 @@
 """One preflight for a sweep (muoneq.suite.sweeps.validate.preflight), run by ``--dry-run`` and by
 every start alike: a misspelled objective or report metric stops it before any run, with the
-closest key and the keys the task writes; a changed objective is refused by ``--dry-run`` as by
-the real run; ``--status`` and ``--dry-run`` create nothing; an unknown sweep key is one line
-with a did-you-mean; ``make report`` skips a study without results and reports the others.
+closest key and the numeric keys the task writes, and so does one that is text or not measured
+on this machine; a changed objective is refused by ``--dry-run`` as by the real run; ``--status``
+and ``--dry-run`` create nothing; an unknown sweep key is one line with a did-you-mean, a list
+set without brackets one saying how to write it; ``make report`` skips a study without results
+and reports the others; a validation split smaller than ``task.data.val_tokens`` is one line
+before any run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from muoneq.suite.sweeps import Driver, load_sweep
 from muoneq.suite.sweeps.spec import spec_to_dict
 from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.commands import make, one_line_error
+from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 from tests.helpers.report import add_trial
 from tests.helpers.sweeps import REPO, load, options, write_sweep
 
@@ -34,9 +38,27 @@ def test_a_misspelled_objective_stops_the_sweep_before_any_run(tmp_path, capsys,
     err = one_line_error(capsys.readouterr().err)
     assert code == 2 and not runs.exists()
     assert err.startswith("muoneq: objective.metric='val/pplx' is not a key of the metrics.json "
-                          "a run of point 'optimizer=adamw optimizer.lr=0.0005' writes (task "
-                          "language); did you mean 'val/ppl'?; its keys: ")
+                          "a run of point 'optimizer=adamw optimizer.lr=0.0005' writes on this "
+                          "machine (task language); did you mean 'val/ppl'?; its numeric keys: ")
     assert "val/loss, val/ppl, val/tokens" in err
+
+
+@pytest.mark.parametrize(("metric", "what"), [
+    ("git_commit", "is text, not a number, in"),
+    ("mfu", "is not a key of"),  # null on a CPU: no peak FLOP/s to divide by
+])
+def test_an_objective_without_a_number_on_this_machine_stops_the_sweep(tmp_path, capsys, metric,
+                                                                      what):
+    """Before any run, naming the keys that are numbers here (a CPU-only run: no MFU)."""
+    runs = tmp_path / "runs"
+    code = main(["sweep", GPT2, "--runs-dir", str(runs), "--set", f"objective.metric={metric}",
+                 "--override", "trainer.accelerator=cpu", "--dry-run"])
+    err = one_line_error(capsys.readouterr().err)
+    assert code == 2 and not runs.exists()
+    assert err.startswith(f"muoneq: objective.metric={metric!r} {what} the metrics.json "), err
+    numbers = err.split("its numeric keys: ")[1].split(", ")
+    assert "val/ppl" in numbers and "step_time_s" in numbers
+    assert not {"git_commit", "run_dir", "status", "mfu", "perf/mfu"} & set(numbers)
 
 
 def test_a_misspelled_report_metric_stops_the_sweep(tmp_path, capsys):
@@ -57,6 +79,11 @@ def test_declared_keys_follow_the_config():
     split = metric_keys(compose(["experiment=cifar10_resnet18", "task.data.val_size=100"]))
     assert "val/acc" not in plain and "test/acc" in plain
     assert set(split) - set(plain) == {"val/acc", "val/loss"}
+    # MFU only where a peak FLOP/s is known: CUDA GPUs, or task.peak_tflops
+    tiny = ["experiment=llama_tiny_shakespeare", "trainer.accelerator=cpu"]
+    cpu, peak = metric_keys(compose(tiny)), metric_keys(compose([*tiny, "task.peak_tflops=1"]))
+    gpu = metric_keys(compose(["experiment=gpt2_small_fineweb"]))  # trainer=gpu
+    assert "mfu" not in cpu and {"mfu", "perf/mfu"} <= set(peak) & set(gpu)
 
 
 def test_dry_run_and_status_create_nothing_and_refuse_a_changed_objective(tmp_path, capsys):
@@ -83,10 +110,10 @@ def test_metrics_json_without_the_objective_lists_its_keys(tmp_path, caplog):
     Driver(load_sweep(sweep), options(tmp_path)).run()
     (t,) = load(tmp_path).trials
     assert t.user_attrs["message"] == "metrics.json has no 'val_los' (objective.metric); it " \
-                                      "has: val_loss"
+                                      "has numbers for: val_loss"
     assert "metrics.json has no 'val_los'" in caplog.text
     run_dir = tmp_path / "runs" / "tiny" / t.user_attrs["run_dirs"][0]
-    assert "it has: val_loss" in (run_dir / "trial.log").read_text()
+    assert "it has numbers for: val_loss" in (run_dir / "trial.log").read_text()
 
 
 @pytest.mark.parametrize(("setting", "expected"), [
@@ -96,8 +123,13 @@ def test_metrics_json_without_the_objective_lists_its_keys(tmp_path, caplog):
                           "of objective: direction, metric"),
     ("bracket.axs=[x]", "unknown key 'bracket.axs'; did you mean 'axes'?; allowed keys of "
                         "bracket: axes, bounds, max_extensions, scale"),
+    # a list written without brackets, or not as YAML: how lists are written
+    ("seeds=0,1", "seeds is a list; write a list in brackets, quoted for the shell: "
+                  "--set 'seeds=[0,1]'"),
+    ("seeds=[0, 1", "the value is not valid YAML (did not find expected ',' or ']'); write a "
+                    "list in brackets, quoted for the shell: --set 'seeds=[0, 1]'"),
 ])
-def test_an_unknown_sweep_key_is_one_line_with_a_did_you_mean(capsys, setting, expected):
+def test_a_set_mistake_is_one_line_with_a_did_you_mean(capsys, setting, expected):
     assert main(["sweep", GPT2, "--set", setting, "--dry-run"]) == 2
     err = one_line_error(capsys.readouterr().err)
     assert f"with --set {setting}: {expected}" in err and "full_key" not in err
@@ -169,3 +201,33 @@ def test_the_preflight_composes_each_value_of_each_config_shape_once(tmp_path):
     with pytest.raises(SweepError, match=r"point 'optimizer=muoneq_nes optimizer\.lr=0\.01 "
                                          r"optimizer\.momentum=1\.5 .* is not a valid training"):
         check_trials(sweep([*momenta[:-1], 1.5]), tmp_path / "runs" / "tiny")
+def test_a_validation_split_smaller_than_val_tokens_is_one_line_before_any_run(
+        shards, tmp_path, capsys):
+    """A data error: ``--dry-run`` and the sweep stop before any run, with the line the run
+    itself would give (exit 2, which a sweep never retries), from the shards' headers."""
+    from muoneq_tasks.language.shards import find_shards, read_header
+
+    val = find_shards(shards, "val")
+    tokens = sum(read_header(f) for f in val)
+    budget = (tokens // 32 + 1) * 32  # the next multiple of seq_len 32 past the split
+    overrides = [a for a in tiny_args(shards, "unused") if not a.startswith("run.dir=")]
+    path = tmp_path / "small-val.yaml"
+    path.write_text(yaml.safe_dump({
+        "study": "small-val", "experiment": "llama_tiny_shakespeare",
+        "overrides": [*overrides[1:], f"task.data.val_tokens={budget}"], "seeds": [0],
+        "grid": [{"optimizer": ["muon_nes"], "optimizer.lr": [0.02]}],
+        "objective": {"metric": "val/ppl", "direction": "minimize"}}))
+    expected = (f"task.data.val_tokens={budget} needs {budget + 1} tokens of the validation "
+                f"split, which has {tokens} ({val[0]}); lower task.data.val_tokens to "
+                f"{(tokens - 1) // 32 * 32} or less, or prepare a larger validation split")
+    runs = tmp_path / "runs"
+    for extra in (["--dry-run"], []):
+        assert main(["sweep", str(path), "--runs-dir", str(runs), *extra]) == 2
+        err = one_line_error(capsys.readouterr().err)
+        assert err.startswith("muoneq: point 'optimizer=muon_nes optimizer.lr=0.02': "
+                              + expected), err
+    assert not runs.exists()
+    # the run itself, had it started: the same line, status 2
+    assert main(["train", *tiny_args(shards, tmp_path / "run",
+                                     f"task.data.val_tokens={budget}")]) == 2
+    assert one_line_error(capsys.readouterr().err).startswith("muoneq: " + expected)

@@ -5,7 +5,12 @@ experiment file never reuses the runs made with the old one."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -55,9 +60,14 @@ def test_grid_of_real_training_runs(tmp_path, monkeypatch):
         assert group == f"optimizer={r['optimizer']}"  # lr: one value, not swept
         assert hparams["optimizer.mode"] == config["optimizer"]["mode"]
         assert scalars["test/acc"] == pytest.approx(metrics["test/acc"], rel=1e-6)
-        with pytest.raises(KeyError):  # no hparams summary at all in its own events
-            read(tmp_path / r["_run_dir"] / "tensorboard").PluginTagToContent(
-                metadata.PLUGIN_NAME)
+        # the sweep's session is the run's only one: none in the training process' own events,
+        # which are the same TensorBoard run (one run per run folder)
+        own = [f for f in (tmp_path / r["_run_dir"] / "tensorboard").glob("events.out.*")
+               if not f.name.endswith(".hparams")]
+        assert own
+        for events in own:
+            with pytest.raises(KeyError):
+                read(events).PluginTagToContent(metadata.PLUGIN_NAME)
     report = write_report(data)
     table = (report.out_dir / "table_ablation.md").read_text()
     assert "| Muon-Nes | 0.05 |" in table and "| MuonEq-Nes | 0.05 |" in table
@@ -95,3 +105,35 @@ def test_the_demo_names_its_own_way_out_of_a_study_made_otherwise(tmp_path, caps
                      f"muoneq?), which this demo would reuse; delete it (rm -r {study_dir}) or "
                      "pass --runs-dir OTHER_FOLDER")
     assert "--set study=NAME" in details[0] and "overrides" in details[0]
+
+
+def test_what_the_demo_says_to_run_next_runs_as_printed(tmp_path, monkeypatch):
+    """Its commands run from the folder it ran in, whether or not the environment is activated
+    (a new user's PATH lacks .venv/bin)."""
+    from muoneq.suite.cli import program
+    from muoneq.suite.demo import next_steps
+    from tests.helpers.commands import clean_env
+    from tests.helpers.sweeps import options, write_sweep
+
+    bin_dir = str(Path(sys.executable).parent)
+    bare = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != bin_dir)
+    monkeypatch.setenv("PATH", bare)
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0]))
+    runs = tmp_path / "runs"
+    assert Driver(spec, options(tmp_path)).run().done == 2
+    rows = next_steps(runs / "tiny", runs)
+    assert rows[0][0] == str(runs / "tiny" / "report" / "report.md")
+    shortened = {1: " --inspect", 2: "", 3: " --dry-run --set seeds=[0]"}  # no server, no runs
+    out = {}
+    for i, extra in shortened.items():
+        command = rows[i][0]
+        assert shlex.split(command)[0] != "muoneq" or shutil.which("muoneq"), command
+        done = subprocess.run(command + extra, shell=True, capture_output=True, text=True,
+                              env=clean_env(PATH=bare), timeout=300)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        out[i] = done.stdout
+    assert out[2].startswith("study tiny (journal:") and "2/2 runs done" in out[2]
+    # in an activated environment, the bare names
+    monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, bare]))
+    if (Path(bin_dir) / "muoneq").is_file():
+        assert program() == "muoneq"

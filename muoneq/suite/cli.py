@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from muoneq.suite.errors import UserError, format_error
 from muoneq.suite.files import NO_ACCESS, no_access
@@ -71,6 +74,21 @@ def all_commands() -> tuple[dict[str, tuple[str, str]], list[str]]:
     if clash := sorted(brought.keys() & COMMANDS.keys()):
         raise ValueError(f"a task brings the command(s) {clash}, which the suite has")
     return {**COMMANDS, **brought}, broken
+def program(name: str = "muoneq", module: str | None = None) -> str:
+    """How to type the console script ``name`` of this Python environment (``muoneq``,
+    ``tensorboard``) so that it runs as printed: its bare name when the ``PATH`` finds this very
+    script (an activated environment), else its path (``.venv/bin/tensorboard`` from the
+    checkout), else ``python -m module`` with this interpreter (default module: ``name``)."""
+    script = Path(sys.executable).parent / name
+    if not script.is_file():
+        return shlex.join([sys.executable, "-m", module or name])
+    found = shutil.which(name)
+    if found is not None and Path(found).resolve() == script.resolve():
+        return name
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 def main(argv: list[str] | None = None) -> int:

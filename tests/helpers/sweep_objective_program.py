@@ -1,23 +1,28 @@
 """A trial program whose objective is a known function of its hyper-parameters (no training).
 
 Run as ``python tests/helpers/sweep_objective_program.py optimizer.lr=0.02 [optimizer.momentum=0.9]
-[opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] [fail_first=false] [config_error=false] seed=0
-run.dir=DIR``: it writes ``metrics.json`` with ``val_loss = log2(lr / opt_lr)² + ((momentum −
-opt_momentum) / 0.05)² + 0.001·seed`` (the momentum term only when a momentum is given), so the
-optimum of every sweep over it is known, and it starts in a blink (no torch): the driver tests
-use it where they test the driver's bookkeeping, not a training run. Other ``key=value`` words
+[opt_lr=0.3] [opt_momentum=0.8] [sleep_s=0] [fail_first=false] [config_error=false]
+[metric=val_loss] seed=0 run.dir=DIR``: it writes ``metrics.json`` with ``val_loss = log2(lr /
+opt_lr)² + ((momentum − opt_momentum) / 0.05)² + 0.001·seed`` (the momentum term only when a
+momentum is given; under the key ``metric``), so the optimum of every sweep over it is known,
+and it starts in a blink (no torch): the driver tests use it where they test the driver's
+bookkeeping, not a training run. Other ``key=value`` words
 (e.g. ``optimizer=muon``) are accepted and ignored. Each start appends a line to
 ``starts.log``, so tests can count how often a run folder was executed. With
 ``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
 ``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
 ``muoneq`` does for a config error; with ``disk_full=true``, with status 4 and the line
-``muoneq train`` prints for a full disk.
+``muoneq train`` prints for a full disk. It writes its process id to ``pid`` and its
+``OMP_NUM_THREADS`` to ``threads`` when it starts, and on SIGTERM writes ``checkpoint`` (as
+``muoneq train`` saves its step) and exits with status 143.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,14 @@ def main(argv: list[str]) -> int:
     args = dict(word.split("=", 1) for word in argv)
     run_dir = Path(args["run.dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+
+    def save_and_exit(signum, frame):
+        (run_dir / "checkpoint").write_text(signal.Signals(signum).name)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, save_and_exit)
+    (run_dir / "pid").write_text(str(os.getpid()))
+    (run_dir / "threads").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
     with (run_dir / "starts.log").open("a") as fh:
         fh.write(f"{time.time()}\n")
     if args.get("config_error") == "true":
@@ -50,7 +63,8 @@ def main(argv: list[str]) -> int:
     if args.get("fail_first") == "true" and not (run_dir / "failed_once").exists():
         (run_dir / "failed_once").write_text("")
         return 3
-    (run_dir / "metrics.json").write_text(json.dumps({"val_loss": objective(args)}))
+    (run_dir / "metrics.json").write_text(json.dumps({args.get("metric", "val_loss"):
+                                                      objective(args)}))
     return 0
 
 

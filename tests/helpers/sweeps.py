@@ -56,8 +56,9 @@ def read(folder: Path) -> EventAccumulator:
 
 
 def session(run_dir: Path) -> tuple[str, dict, dict[str, float]]:
-    """A run's session: its group name, hparams and the last value of each scalar."""
-    acc = read(run_dir / "hparams")
+    """A run's session: its group name, hparams and the last value of each scalar (read from
+    its TensorBoard folder, where its curves also are)."""
+    acc = read(run_dir / "tensorboard")
     content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
     start = metadata.parse_session_start_info_plugin_data(
         content[metadata.SESSION_START_INFO_TAG])

@@ -32,7 +32,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from muoneq.functional import diag_pre, lr_scale, matrix_shape
 from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, resolve_dtype
 from muoneq.optim import MuonEq
 from muoneq.optim.executors import balance
+from muoneq.suite.machine import device_name
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
@@ -387,17 +387,6 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
         "contenders": rows,
         "ddp_split": ddp,
     }
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model name (thread counts are reported apart)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def device_label(device: torch.device) -> str:

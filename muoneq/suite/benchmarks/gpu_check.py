@@ -81,11 +81,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from muoneq.suite.benchmarks.bench_step import device_label, device_name, operations, sig3
+from muoneq.suite.benchmarks.bench_step import device_label, operations, sig3
 from muoneq.suite.benchmarks.bench_step import main as bench_main
 from muoneq.suite.benchmarks.bench_step import table as bench_table
 from muoneq.suite.files import atomic_write, slug
 from muoneq.suite.folders import CHECKOUT
+from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import compose, train
 from muoneq.suite.runtime.accelerators import device_peak_tflops, synchronize
 from muoneq.suite.runtime.optim import build_optimizer_from_config

@@ -6,7 +6,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from muoneq.suite.report import optuna_views, paired, speedup
+from muoneq.suite.report import machine, optuna_views, paired, speedup
 from muoneq.suite.report import plan_tables as plan_report
 from muoneq.suite.report.figures import (
     Palette,
@@ -63,7 +63,7 @@ def write_report(data: StudyData, out_dir: Path | None = None, tensorboard: bool
     parts += [_line_section(data, lspec, palette, report, writer) for lspec in rep.lines]
     if rep.curves is not None:
         parts.append(_curve_section(data, palette, report, writer))
-    views = optuna_views.write_views(data, out_dir, writer)
+    views = optuna_views.write_views(data, out_dir, writer, palette)
     if views is not None:
         report.files += views.files
         parts.append(optuna_views.to_markdown(views))
@@ -119,7 +119,8 @@ def _table_section(data: StudyData, tspec: TableSpec, points: list[dict], palett
     out_dir = report.out_dir
     table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points)
     found = paired.comparisons(table) if tspec.deltas else []
-    md = to_markdown(table) + paired.to_markdown(table, found)
+    md = (to_markdown(table) + paired.to_markdown(table, found)
+          + machine.timing_note(data.runs, [m.key for m in table.metrics]))
     figures = []
     if found and tspec.speedup is not None:
         speedups = speedup.speedups(found, table.metrics[0].key, tspec.speedup, out_dir,

@@ -90,13 +90,25 @@ class Palette:
         return style
 
 
-def number_format(values: Iterable[float]) -> str:
+#: at most this many more decimals than three significant digits, to tell neighbours apart
+MORE_DIGITS = 2
+
+
+def number_format(values: Iterable[float],
+                  neighbours: Iterable[tuple[float, float]] = ()) -> str:
     """One format spec for all ``values`` of a figure: fixed decimals, enough for three
-    significant digits of the smallest magnitude (``9.87``, ``10.40``; ``0.0123``)."""
+    significant digits of the smallest magnitude (``9.87``, ``10.40``; ``0.0123``), and more
+    (up to :data:`MORE_DIGITS`) until every pair of ``neighbours`` that differ print apart
+    (11.06 and 11.12 side by side: not both "11.1")."""
     finite = [abs(v) for v in values if math.isfinite(v) and v != 0]
     if not finite:
         return ".2f"
-    return f".{min(6, max(0, 2 - math.floor(math.log10(min(finite)))))}f"
+    digits = min(6, max(0, 2 - math.floor(math.log10(min(finite)))))
+    pairs = [(a, b) for a, b in neighbours if a != b and math.isfinite(a) and math.isfinite(b)]
+    for extra in range(MORE_DIGITS + 1):
+        if all(f"{a:.{digits + extra}f}" != f"{b:.{digits + extra}f}" for a, b in pairs):
+            break
+    return f".{digits + extra}f"
 
 
 def better_note(direction: str) -> str:
@@ -167,7 +179,10 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
         return []
     vmin, vmax = min(finite), max(finite)
     best = _best(finite, direction)
-    fmt = number_format(finite)  # one format for every cell of every panel
+    # one format for every cell of every panel, telling side-by-side cells apart
+    fmt = number_format(finite, [pair for g in panels.values() for pair in
+                                 (*zip(g[:, :-1].flat, g[:, 1:].flat, strict=True),
+                                  *zip(g[:-1, :].flat, g[1:, :].flat, strict=True))])
     out = []
     for key, grid in panels.items():
         values = dict(zip(panel_axes, key, strict=True))
@@ -196,7 +211,7 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red",
                                        linewidth=2))
         bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
-        bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{fmt}}}"))
+        bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{number_format(finite)}}}"))
         name = figure_name(title)
         path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
         _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)

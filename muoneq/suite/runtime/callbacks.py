@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import statistics
 import threading
@@ -19,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
+from muoneq.suite.machine import device_name, load_average
 from muoneq.suite.runtime.accelerators import peak_memory, reset_peak_memory, synchronize
 
 
@@ -30,18 +32,25 @@ class StepStats(L.Callback):
     device synchronized at both ends (data loading of the first micro-batch and validation are
     outside). The first step of every session (warm-up, cudnn autotuning, compilation) is not
     counted. Totals are kept in checkpoints, so a resumed run reports figures for all of its
-    training, not just the last session.
+    training, not just the last session. What the times were measured on goes with them: the
+    device, torch's CPU threads, the machine's cores and its 1-minute load average at the timed
+    steps (mean and max: a load above the cores means other work shared them).
 
     Every figure is read from :attr:`device`, the device training started on: after ``fit``,
     Lightning's teardown has moved the module back to the CPU, so that its ``device`` would
     report host memory for a GPU run.
     """
 
+    #: the totals kept in checkpoints (a checkpoint of an earlier version lacks the loads)
+    TOTALS = {"steps": 0, "seconds": 0.0, "train_seconds": 0.0, "load_sum": 0.0,
+              "load_samples": 0, "load_max": None}
+
     def __init__(self) -> None:
         #: the device this session trains on, captured when training starts (None: not yet)
         self.device: torch.device | None = None
         self.step_times: list[float] = []  # this session's counted steps
-        self.previous = {"steps": 0, "seconds": 0.0, "train_seconds": 0.0}
+        self.loads: list[float] = []  # the load average at each of them
+        self.previous = dict(self.TOTALS)
         self._step_start: float | None = None
         self._step_at_start = 0
         self._session_first_step: int | None = None
@@ -68,6 +77,8 @@ class StepStats(L.Callback):
         self._step_start = None
         if self._step_at_start > self._session_first_step:
             self.step_times.append(elapsed)
+            if (load := load_average()) is not None:
+                self.loads.append(load)
         peak, _ = peak_memory(self.device)
         pl_module.log_dict(
             {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
@@ -78,8 +89,8 @@ class StepStats(L.Callback):
     def summary(self) -> dict:
         """Mean and median step time, peak memory (of :attr:`device`; the process's on a
         session that trained nothing) and training wall-clock of the whole run."""
-        steps = self.previous["steps"] + len(self.step_times)
-        seconds = self.previous["seconds"] + sum(self.step_times)
+        totals = self.state_dict()
+        steps, seconds = totals["steps"], totals["seconds"]
         peak, kind = peak_memory(self.device or torch.device("cpu"))
         return {
             "step_time_s": seconds / steps if steps else math.nan,
@@ -89,21 +100,32 @@ class StepStats(L.Callback):
             "timed_steps": steps,
             "peak_memory_gb": peak / 2**30,
             "peak_memory_kind": kind,
-            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+            "train_seconds": totals["train_seconds"],
+            "device": device_name(self.device or torch.device("cpu")),
+            "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(),
+            "load_avg": (totals["load_sum"] / totals["load_samples"] if totals["load_samples"]
+                         else math.nan),
+            "load_max": math.nan if totals["load_max"] is None else totals["load_max"],
         }
 
     def _train_seconds(self) -> float:
         return time.perf_counter() - self._train_start
 
     def state_dict(self) -> dict:
+        p = self.previous
         return {
-            "steps": self.previous["steps"] + len(self.step_times),
-            "seconds": self.previous["seconds"] + sum(self.step_times),
-            "train_seconds": self.previous["train_seconds"] + self._train_seconds(),
+            "steps": p["steps"] + len(self.step_times),
+            "seconds": p["seconds"] + sum(self.step_times),
+            "train_seconds": p["train_seconds"] + self._train_seconds(),
+            "load_sum": p["load_sum"] + sum(self.loads),
+            "load_samples": p["load_samples"] + len(self.loads),
+            "load_max": max((v for v in (p["load_max"], *self.loads) if v is not None),
+                            default=None),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.previous = dict(state_dict)
+        self.previous = {**self.TOTALS, **state_dict}
 
 
 class StepLearningRate(LearningRateMonitor):

@@ -46,10 +46,10 @@ from muoneq.suite.runtime import checkpoints, record, run_folder
 from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop
 from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.suite.runtime.config import Resume
-from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
+from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
-from muoneq.suite.runtime.trainer import TENSORBOARD_DIR, build_trainer, check_accelerator
+from muoneq.suite.runtime.trainer import build_trainer, check_accelerator
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 

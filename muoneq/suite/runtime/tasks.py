@@ -41,10 +41,15 @@ class TaskCommand:
 @dataclass(frozen=True)
 class TaskSpec:
     """A workload: its typed config (a dataclass with a ``name`` field), its builder, and the
-    keys its runs add to ``metrics.json`` (``metrics(cfg)``, from the composed config: what its
-    module logs and its ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the
-    runtime's own). A sweep checks its objective against them before anything runs; None: not
-    declared, nothing is checked.
+    numeric keys its runs add to ``metrics.json`` with a value on this machine
+    (``metrics(cfg)``, from the composed config: what its module logs and its
+    ``final_metrics``; :func:`muoneq.suite.runtime.metrics.metric_keys` adds the runtime's
+    own). A sweep checks its objective against them before anything runs; None: not
+    declared, nothing is checked. ``check_data(cfg)``, when given, raises what a run of the
+    composed config would raise about its data before its first step (a
+    :class:`~muoneq.suite.errors.DataError` when it is missing, another
+    :class:`~muoneq.suite.errors.UserError` when it is unusable), cheaply (file headers, no
+    training): a sweep runs it before any run starts.
 
     Optional: ``synthetic_data(cfg, folder)`` writes random inputs in the task's data format
     into ``folder``, as many as the run ``cfg`` reads, and returns the overrides that point the
@@ -57,6 +62,7 @@ class TaskSpec:
     metrics: Callable[[Any], Iterable[str]] | None = None
     synthetic_data: Callable[[Any, Path], list[str]] | None = None
     commands: dict[str, TaskCommand] = field(default_factory=dict)
+    check_data: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):

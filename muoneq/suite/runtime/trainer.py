@@ -54,15 +54,12 @@ from muoneq.suite.runtime.config import (
     ProgressMode,
     StrategyName,
 )
+from muoneq.suite.runtime.metrics import TENSORBOARD_DIR
 
 # Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
     lambda record: not str(record.msg).startswith("💡 Tip")
 )
-
-#: The run folder's TensorBoard folder (its checkpoints: :mod:`muoneq.suite.runtime.checkpoints`).
-TENSORBOARD_DIR = "tensorboard"
-
 
 def _single_device(devices: int | str) -> bool:
     """Whether Lightning's ``devices`` flag names exactly one device (1, "1", "0,", "3,")."""

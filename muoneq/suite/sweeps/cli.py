@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import signal
 from pathlib import Path
 
 import optuna
 
+from muoneq.suite.cli import program
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
@@ -80,12 +82,17 @@ def main(argv: list[str]) -> int:
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
     s = driver.run()
+    again = f"{program()} sweep {shlex.join(argv)}"
     print(f"study {spec.study}: {s.done}/{s.total} runs done"
           + (f", {len(s.exhausted)} failed for good (a config error, or out of retries; see "
              f"their trial.log): {s.exhausted}" if s.exhausted else "")
-          + (f", {s.pending} to go (re-run the same command to continue)" if s.pending else ""))
-    if not s.pending:
-        print(f"report: muoneq report {driver.study_dir}"
+          + (f", {s.pending} to go" if s.pending else ""))
+    if s.interrupted:
+        print(f"stopped by {signal.Signals(s.stopped_by).name}; continue with: {again}")
+    elif s.pending:
+        print(f"continue with: {again}")
+    if s.done:
+        print(f"report: {program()} report {shlex.quote(str(driver.study_dir))}"
               + (f" --storage {where}" if args.storage else ""))
     return s.exit_code
 
@@ -148,7 +155,7 @@ def _dry_run(spec, options: DriverOptions) -> int:
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
           + {"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)",
              "grid": " (every value of every axis, once in each config shape)"}[spec.kind]
-          + f"; objective {spec.objective.metric} and the report's metrics are keys of their "
-            f"{METRICS_FILE}"
+          + f"; objective {spec.objective.metric} and the report's metrics are numbers their "
+            f"{METRICS_FILE} holds on this machine"
           if composed else "not checked: launch.command does not run `muoneq train`")
     return 0

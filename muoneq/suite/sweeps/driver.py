@@ -50,6 +50,7 @@ from pathlib import Path
 from muoneq.suite.errors import DiskFull, UserError
 from muoneq.suite.files import FULL_DISK, NO_ACCESS, full_disk, no_access
 from muoneq.suite.sweeps import hparams
+from muoneq.suite.sweeps.launch import KILL_GRACE_S, cores, thread_defaults
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
@@ -111,10 +112,13 @@ class Driver:
         self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
         hparams.write_experiment(spec, self.study_dir)
         self.scheduler = Scheduler(self.ledger, self.study_dir)
-        self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s)
+        self.threads = thread_defaults(spec, self.opts.workers)
+        self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
+                             self.threads)
         self._lock = threading.Lock()
         #: what stopped every worker: a full disk, or a file or folder out of reach
         self.failure: UserError | None = None
+        self.stopped_by: int | None = None  #: the signal that stopped the sweep
 
     def summary(self) -> Summary:
         return self.ledger.summary()
@@ -143,36 +147,51 @@ class Driver:
             self.stop.set()
 
     def run(self) -> Summary:
-        """Work until the study is finished (or SIGINT/SIGTERM); return the final counts."""
+        """Work until the study is finished, or until SIGINT (Ctrl-C) or SIGTERM: then every
+        running trial gets SIGTERM and is waited for while it saves its checkpoint (killed
+        after :data:`~muoneq.suite.sweeps.launch.KILL_GRACE_S`); return the final counts."""
         lock_path = self.me.lock_path()
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
+        for name, value in self.threads.items():
+            log.info("each trial runs with %s=%s (%d cores / %d workers; launch.env sets "
+                     "another)", name, value, cores(), self.opts.workers)
         threads = [threading.Thread(target=self._worker, args=(i,), name=f"sweep-worker-{i}")
                    for i in range(self.opts.workers)]
-        interrupted = False
+        previous = self._catch_signals()
         try:
             for th in threads:
                 th.start()
             for th in threads:
-                while th.is_alive():
-                    th.join(timeout=0.5)
-        except KeyboardInterrupt:
-            interrupted = True
-            log.warning("interrupted: stopping the running trials (re-run to continue)")
-            self.stop.set()
-            for th in threads:
                 th.join()
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             os.close(lock_fd)
             lock_path.unlink(missing_ok=True)
         if self.failure is not None:
             raise self.failure
         result = self.summary()
-        result.interrupted = interrupted or self.stop.is_set()
+        result.stopped_by = self.stopped_by
         return result
+
+    def _catch_signals(self) -> dict:
+        """Make SIGINT and SIGTERM stop the workers (which stop their trials); the previous
+        handlers, to restore. A handler rather than ``KeyboardInterrupt``: on Python < 3.13 a
+        ``KeyboardInterrupt`` that lands in ``Thread.join`` marks the thread finished, and the
+        driver exited while its trials ran on. Signals reach the main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {signum: signal.signal(signum, self._on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = signum
+            log.warning("%s: stopping the running trials; each saves its checkpoint (killed "
+                        "after %.0f s)", signal.Signals(signum).name, KILL_GRACE_S)
+        else:
+            log.warning("%s: still waiting for the running trials to save their checkpoints",
+                        signal.Signals(signum).name)
+        self.stop.set()

@@ -10,11 +10,14 @@ scatter plots) over the swept axes, with the study's own metrics.
   metrics the objective and every metric the ``report:`` section names, under their own names
   (``val/ppl``, ``test/acc``, ``step_time_s``), the objective's description saying which way
   is better;
-* one session per finished run, in ``<run dir>/hparams/`` (written when its trial is told):
-  its point's values, its optimizer and mode as the run's ``config.yaml`` records them, grouped
-  by its swept values (``lr=0.002 momentum=0.95``: its seeds are one row, TensorBoard shows
-  their mean; the run's folder is named by its whole point), and the final value
-  of each declared metric from its ``metrics.json`` as a scalar at the run's last global step.
+* one session per finished run, in its own event file (``*.hparams``) beside the run's curves
+  in ``<run dir>/tensorboard/`` (written when its trial is told), so that each run is one
+  TensorBoard run: its point's values, its optimizer and mode as the run's ``config.yaml``
+  records them, grouped by its swept values (``lr=0.002 momentum=0.95``: its seeds are one row,
+  TensorBoard shows their mean; the run's folder is named by its whole point), and the final
+  value of each declared metric from its ``metrics.json`` as a scalar at the run's last global
+  step. An integer axis (K) is declared as text, so that TensorBoard shows ``5``, not the
+  ``5.0000`` it prints for every number.
 
 The training process writes no session of its own while a sweep runs it (the driver sets
 :data:`muoneq.suite.runtime.metrics.HPARAMS_ENV`), so each run is one row. The HParams protocol
@@ -35,7 +38,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from muoneq.suite.sweeps.events import EVENT_GLOB, HPARAMS_DIR
+from muoneq.suite.runtime.metrics import TENSORBOARD_DIR
+from muoneq.suite.sweeps.events import EVENT_GLOB, HPARAMS_DIR, SESSION_SUFFIX
 from muoneq.suite.sweeps.report_spec import metrics_named
 from muoneq.suite.sweeps.spec import Point, SweepSpec, format_value
 
@@ -48,13 +52,14 @@ def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> summary_pb2.S
         tag=tag, metadata=metadata.create_summary_metadata(data))])
 
 
-def _write(folder: Path, summaries: Iterable[summary_pb2.Summary], step: int = 0) -> None:
-    """Replace the event files of ``folder`` with one holding ``summaries`` (the folder's
-    other files, if someone put any there, are left alone)."""
+def _write(folder: Path, summaries: Iterable[summary_pb2.Summary], step: int = 0,
+           suffix: str = "") -> None:
+    """Replace the event files of ``folder`` whose names end with ``suffix`` with one holding
+    ``summaries`` (the folder's other files are left alone)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob(EVENT_GLOB):
+    for old in folder.glob(EVENT_GLOB + suffix):
         old.unlink()
-    writer = EventFileWriter(str(folder))
+    writer = EventFileWriter(str(folder), filename_suffix=suffix)
     for summary in summaries:
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
     writer.close()
@@ -81,10 +86,13 @@ def axis_values(spec: SweepSpec) -> dict[str, list[Any]]:
 
 
 def _type(values: Iterable[Any]) -> int:
-    """Bool, float or (also for no values: the optimizer, the mode) string."""
+    """Bool, float or (also for integers, and for no values: the optimizer, the mode) string:
+    TensorBoard prints every number with five digits (K as ``5.0000``)."""
     values = list(values)
     if values and all(isinstance(v, bool) for v in values):
         return api_pb2.DATA_TYPE_BOOL
+    if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return api_pb2.DATA_TYPE_STRING
     if values and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         return api_pb2.DATA_TYPE_FLOAT64
     return api_pb2.DATA_TYPE_STRING
@@ -126,15 +134,16 @@ def write_experiment(spec: SweepSpec, study_dir: Path) -> None:
                experiment=experiment))])
 
 
-def _value(value: Any):
-    """An hparam value as the protocol buffer's ``Value``."""
+def _value(value: Any, kind: int):
+    """An hparam value as the protocol buffer's ``Value`` of the declared type ``kind``."""
     from google.protobuf import struct_pb2
 
-    if isinstance(value, bool):
+    if kind == api_pb2.DATA_TYPE_BOOL:
         return struct_pb2.Value(bool_value=value)
-    if isinstance(value, int | float):
+    if kind == api_pb2.DATA_TYPE_FLOAT64:
         return struct_pb2.Value(number_value=float(value))
-    return struct_pb2.Value(string_value=str(value))
+    return struct_pb2.Value(string_value=value if isinstance(value, str) else
+                            format_value(value))
 
 
 #: the value of an optimizer or mode a run does not have (AdamW has no mode): TensorBoard's
@@ -166,22 +175,24 @@ def run_settings(spec: SweepSpec, point: Point, run_dir: Path) -> dict[str, Any]
 
 def write_session(spec: SweepSpec, point: Point, run_dir: Path, metrics: Mapping[str, Any],
                   diverged: bool = False) -> None:
-    """One finished run's session (module docstring), in ``<run dir>/hparams/``."""
+    """One finished run's session (module docstring), beside its curves in
+    ``<run dir>/tensorboard/``."""
     hparams = run_settings(spec, point, run_dir)
     start = plugin_data_pb2.SessionStartInfo(group_name=group_name(spec, point),
                                              start_time_secs=time.time())
+    values = axis_values(spec)
     for name, value in hparams.items():
-        start.hparams[name].CopyFrom(_value(value))
+        start.hparams[name].CopyFrom(_value(value, _type(values.get(name, [value]))))
     status = api_pb2.STATUS_FAILURE if diverged else api_pb2.STATUS_SUCCESS
     end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
     scalars = [summary_pb2.Summary(value=[summary_pb2.Summary.Value(
         tag=m, simple_value=float(metrics[m]))]) for m in declared_metrics(spec)
         if isinstance(metrics.get(m), int | float) and math.isfinite(metrics[m])]
     step = metrics.get("global_step")
-    _write(Path(run_dir) / HPARAMS_DIR, [
+    _write(Path(run_dir) / TENSORBOARD_DIR, [
         _summary(metadata.SESSION_START_INFO_TAG,
                  plugin_data_pb2.HParamsPluginData(session_start_info=start)),
         *scalars,
         _summary(metadata.SESSION_END_INFO_TAG,
                  plugin_data_pb2.HParamsPluginData(session_end_info=end))],
-        step=step if isinstance(step, int) else 0)
+        step=step if isinstance(step, int) else 0, suffix=SESSION_SUFFIX)

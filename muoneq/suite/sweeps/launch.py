@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from muoneq.suite.files import atomic_write
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
@@ -70,9 +71,32 @@ def build_command(
     return argv
 
 
+#: the environment variable of a trial's CPU threads (torch's intra-op pool)
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity: ``taskset``, a container's
+    cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
+def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``workers`` trials at once on this machine: its cores
+    shared out (at torch's default, every trial would start a thread per core and they would
+    all wait on each other), unless the environment or ``launch.env`` sets it; nothing for one
+    worker."""
+    if workers < 2 or THREADS_ENV in os.environ or THREADS_ENV in spec.launch.env:
+        return {}
+    return {THREADS_ENV: str(max(1, cores() // workers))}
+
+
 def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
-                  devices: Sequence[str] = (), worker: int = 0):
-    """The argv, environment and fingerprint of one run (the launch template filled in)."""
+                  devices: Sequence[str] = (), worker: int = 0,
+                  env_defaults: Mapping[str, str] = MappingProxyType({})):
+    """The argv, environment and fingerprint of one run (the launch template filled in;
+    ``env_defaults`` under the environment and ``launch.env``: :func:`thread_defaults`)."""
     overrides = list(spec.overrides) + point.overrides()
     fields = {**spec.launch.vars, "python": sys.executable,
               "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
@@ -80,7 +104,8 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
     # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
-    env = {**os.environ, HPARAMS_ENV: "0", **{k: str(v) for k, v in spec.launch.env.items()}}
+    env = {**env_defaults, **os.environ, HPARAMS_ENV: "0",
+           **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = fields["devices"]
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
@@ -165,6 +190,19 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+#: why the driver stopped a trial's process, by :class:`Outcome` status
+STOPPED_BY = {"interrupted": "the sweep was interrupted", "pruned": "Optuna's pruner stopped it",
+              "timeout": "it ran past launch.timeout_s"}
+
+
+def stopped_message(reason: str, proc: subprocess.Popen, tail: str) -> str:
+    """One line on a process the driver stopped: why, its exit status, and its own last
+    ``muoneq:`` line (where it saved its step), if any; ``trial.log`` holds the rest."""
+    said = [line for line in tail.splitlines() if line.startswith("muoneq: ")]
+    return (f"{STOPPED_BY[reason]}; the process exited with status {proc.returncode}"
+            + (f": {said[-1]}" if said else ""))
+
+
 def run_process(
     argv: Sequence[str],
     run_dir: Path,
@@ -219,7 +257,7 @@ def run_process(
     metrics = read_metrics(run_dir)
     tail = log_tail(run_dir)
     if reason:
-        return Outcome(reason, metrics, proc.returncode, tail)
+        return Outcome(reason, metrics, proc.returncode, stopped_message(reason, proc, tail))
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
         return Outcome("complete", metrics, proc.returncode)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (

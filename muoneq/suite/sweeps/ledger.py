@@ -22,7 +22,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import optuna
@@ -31,9 +31,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from muoneq.suite.sweeps import distributions, hparams, launch
 from muoneq.suite.sweeps.plan import Check, Plan, describe_plan, make_plan
+from muoneq.suite.sweeps.report_spec import metrics_named
 from muoneq.suite.sweeps.spec import Point, SweepSpec, format_value
 from muoneq.suite.sweeps.study import existing_study
-from muoneq.suite.sweeps.trial_record import FAILURES, STUDY_DISTRIBUTIONS, STUDY_PLAN, TrialRecord
+from muoneq.suite.sweeps.trial_record import (
+    FAILURES,
+    STUDY_BEST,
+    STUDY_DISTRIBUTIONS,
+    STUDY_PLAN,
+    TrialRecord,
+)
 from muoneq.suite.sweeps.verdict import Verdict
 
 log = logging.getLogger("muoneq.suite.sweeps")
@@ -89,12 +96,19 @@ class Summary:
     done: int
     exhausted: list[str]
     pending: int
-    interrupted: bool = False
+    #: the signal that stopped the driver (SIGINT, SIGTERM), or None
+    stopped_by: int | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None
 
     @property
     def exit_code(self) -> int:
-        if self.interrupted:
-            return 130
+        """The shell's status for the signal that stopped it (130: SIGINT, 143: SIGTERM); 1
+        while runs failed for good or remain; else 0."""
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
         return 1 if self.exhausted or self.pending else 0
 
 
@@ -355,14 +369,51 @@ class Ledger:
         record = record or TrialRecord()
         record.outcome, record.message = outcome, message[-4000:]
         self.write(number, record)
+        trial_id = self.trial_id(number)
+        for key, metric in self.columns(record.metrics).items():
+            self.storage.set_trial_user_attr(trial_id, key, metric)
         self.study.tell(number, value if state == TrialState.COMPLETE else None, state=state,
                         skip_if_finished=True)
+
+    def columns(self, metrics: dict | None) -> dict:
+        """The objective and the metrics the report names, from a trial's ``metrics``: user
+        attributes of their own names, columns of ``study.trials_dataframe()``."""
+        named = [self.spec.objective.metric, *metrics_named(self.spec.report)]
+        reserved = {f.name for f in fields(TrialRecord)}
+        return {k: metrics[k] for k in named if metrics and k in metrics and k not in reserved}
+
+    def publish_best(self) -> None:
+        """Record the point with the best mean objective over its seeds (every seed finished,
+        none diverged) as the study's user attribute :data:`STUDY_BEST`, when it changed:
+        Optuna's ``study.best_trial`` is the best single trial, the luckiest seed of a grid."""
+        minimize = self.spec.objective.direction == "minimize"
+        candidates = []  # (mean, point, seeds, trial numbers)
+        if self.spec.planned:
+            runs = self.survey().runs
+            for cell, values in self.results(runs).items():
+                if values and all(v is not None for v in values):
+                    done = [runs[grid_key(cell, s)].done[0] for s in self.spec.seeds]
+                    candidates.append((sum(values) / len(values), TrialRecord.of(done[0]).point,
+                                       list(self.spec.seeds), [t.number for t in done]))
+        else:  # a trial runs every seed and is told their mean
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+                rec = TrialRecord.of(t)
+                candidates.append((t.value, rec.point, rec.seeds, [t.number]))
+        if not candidates:
+            return
+        mean, point, seeds, numbers = (min if minimize else max)(candidates, key=lambda c: c[0])
+        best = {"point": point, "key": Point(tuple(point.items())).key,
+                self.spec.objective.metric: mean, "seeds": seeds, "trials": numbers}
+        if best != self.study.user_attrs.get(STUDY_BEST):
+            self.study.set_user_attr(STUDY_BEST, best)
 
     def record(self, number: int, key: str, verdict: Verdict) -> None:
         """Tell how trial ``number`` (run ``key``) ended, log it, and add its finished runs to
         TensorBoard's HParams view (:mod:`muoneq.suite.sweeps.hparams`)."""
         self.tell(number, verdict.state, value=verdict.value, outcome=verdict.outcome,
                   message=verdict.message, record=verdict.record)
+        if verdict.outcome == "complete":
+            self.publish_best()
         if verdict.outcome in ("complete", "diverged"):
             rec = TrialRecord.of(self.storage.get_trial(self.trial_id(number)))
             point = Point(tuple((rec.point or {}).items()))
@@ -374,8 +425,7 @@ class Ledger:
                 log.warning("trial %d: TensorBoard HParams not written: %s", number, err)
         metric = self.spec.objective.metric
         if verdict.outcome == "complete":
-            log.info("trial %d (%s): %s = %s", number, key, metric,
-                     format_value(float(verdict.value)))
+            log.info("trial %d (%s): %s = %.4g", number, key, metric, verdict.value)
         elif verdict.outcome == "diverged":
             log.info("trial %d (%s): diverged (%s)", number, key, verdict.message)
         elif verdict.missing_metric:
@@ -385,9 +435,10 @@ class Ledger:
             note = " (not retried: fix it, then re-run the sweep)" if (
                 verdict.outcome == "config_error") else ""
             quiet = verdict.outcome in ("pruned", "interrupted")
-            log.log(logging.INFO if quiet else logging.WARNING, "trial %d (%s): %s%s %s",
+            message = verdict.message
+            log.log(logging.INFO if quiet else logging.WARNING, "trial %d (%s): %s%s%s",
                     number, key, verdict.outcome, note,
-                    ("\n" + verdict.message) if verdict.message else "")
+                    "" if not message else f"\n{message}" if "\n" in message else f": {message}")
 
 
 def published_plan(spec: SweepSpec, url: str | None, study_dir: Path) -> dict | None:

@@ -167,7 +167,8 @@ class Scheduler:
         runs = self.ledger.survey().runs.get(key, RunState())
         dirs = [str(point.run_dir(self.study_dir, s).relative_to(self.study_dir)) for s in seeds]
         self.ledger.write(trial.number, TrialRecord(
-            point=point.as_dict(), seeds=list(seeds), run_dirs=dirs, driver=self.me.id,
+            point=point.as_dict(), seeds=list(seeds), seed=seeds[0] if len(seeds) == 1 else None,
+            run_dirs=dirs, driver=self.me.id,
             host=self.me.host, heartbeat=time.time(), attempt=runs.failures + 1))
         return Start(trial, point, seeds, key)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from muoneq.suite.errors import UserError
@@ -274,14 +274,36 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
     except OmegaConfBaseException as err:
         raise schema_error(err, str(path)) from None
+    for item in dotlist:
+        merged = _set(merged, item, path)
     try:
-        if dotlist:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(dotlist)))
         spec = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise schema_error(err, f"{path} with --set {' '.join(dotlist)}") from None
     validate(spec, source=str(path))
     return spec
+
+
+def _set(merged, item: str, path: Path):
+    """``merged`` with one ``--set key=value``; a list given without brackets (``seeds=0,1``)
+    or a value that is not YAML is one line saying how lists are written."""
+    key, _, value = item.partition("=")
+    lists = "write a list in brackets, quoted for the shell: --set '{key}=[{values}]'"
+    try:
+        return OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise SweepError(f"{path} with --set {item}: the value is not valid YAML ({problem}); "
+                         + lists.format(key=key, values=value.strip("[]"))) from None
+    except OmegaConfBaseException as err:
+        try:
+            is_list = isinstance(OmegaConf.select(merged, key), ListConfig)
+        except OmegaConfBaseException:
+            is_list = False
+        if is_list:
+            raise SweepError(f"{path} with --set {item}: {key} is a list; "
+                             + lists.format(key=key, values=value)) from None
+        raise schema_error(err, f"{path} with --set {item}") from None
 
 
 def spec_from_dict(data: dict, source: str = "<dict>") -> SweepSpec:

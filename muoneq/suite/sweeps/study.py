@@ -6,12 +6,15 @@ command and kind (grid or search) are recorded as its ``fingerprint``
 (:func:`study_fingerprint`) and a later driver with other values is refused (the grid and the
 seeds may grow; :func:`check_study_fingerprint`). The sweep spec is saved with the study
 (``study.user_attrs["spec"]`` and ``<study>/sweep.yaml``) for ``muoneq report``, and so are
-its axes' Optuna distributions (:mod:`muoneq.suite.sweeps.distributions`).
+its axes' Optuna distributions (:mod:`muoneq.suite.sweeps.distributions`) and the objective's
+name (``study.set_metric_names``: Optuna's dashboard and plots say ``val/ppl``, not
+"Objective 0").
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import optuna
@@ -104,6 +107,10 @@ def open_study(spec: SweepSpec, url: str | None,
         direction=spec.objective.direction, load_if_exists=True,
     )
     check_study_fingerprint(spec, study, url, study_dir)
+    if study.metric_names != [spec.objective.metric]:  # Optuna's views name it so
+        with warnings.catch_warnings():  # experimental since Optuna 3.2, unchanged since
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([spec.objective.metric])
     if STUDY_FINGERPRINT not in study.user_attrs:
         study.set_user_attr(STUDY_FINGERPRINT, json.loads(json.dumps(study_fingerprint(spec))))
     if spec.planned:

@@ -17,10 +17,12 @@ from optuna.trial import BaseTrial
 
 #: study user attributes: what may not change while the study goes on
 #: (:func:`muoneq.suite.sweeps.study.study_fingerprint`), the sweep spec it runs (for the report),
-#: what the plan added and why it stopped (:meth:`muoneq.suite.sweeps.plan.Plan.to_dict`), and the
-#: Optuna distribution of every search axis (:mod:`muoneq.suite.sweeps.distributions`)
-STUDY_FINGERPRINT, STUDY_SPEC, STUDY_PLAN, STUDY_DISTRIBUTIONS = (
-    "fingerprint", "spec", "plan", "distributions")
+#: what the plan added and why it stopped (:meth:`muoneq.suite.sweeps.plan.Plan.to_dict`), the
+#: Optuna distribution of every search axis (:mod:`muoneq.suite.sweeps.distributions`), and the
+#: point with the best mean objective over its seeds (:meth:`muoneq.suite.sweeps.ledger.Ledger.
+#: publish_best`; Optuna's ``study.best_trial`` is the best single trial, one seed of a grid)
+STUDY_FINGERPRINT, STUDY_SPEC, STUDY_PLAN, STUDY_DISTRIBUTIONS, STUDY_BEST = (
+    "fingerprint", "spec", "plan", "distributions", "best_mean")
 
 #: outcomes that use up a retry; ``diverged`` (non-finite objective) is a result, not a failure
 FAILURES = ("failed", "timeout")
@@ -28,11 +30,16 @@ FAILURES = ("failed", "timeout")
 
 @dataclass
 class TrialRecord:
-    """The user attributes of one trial (see the module docstring)."""
+    """The user attributes of one trial (see the module docstring). Besides these, a finished
+    trial holds the objective and the metrics the report names as user attributes of their own
+    names (``val/ppl``, ``step_time_s``: :meth:`muoneq.suite.sweeps.ledger.Ledger.tell`), so
+    that ``study.trials_dataframe()`` has them as columns."""
 
     run_key: str | None = None  #: the run it runs (:mod:`muoneq.suite.sweeps.ledger`)
     point: dict[str, Any] | None = None  #: axis → value
     seeds: list[int] | None = None  #: one per run folder, in order
+    #: the seed of a trial of one run (a grid's): a column of ``study.trials_dataframe()``
+    seed: int | None = None
     run_dirs: list[str] | None = None  #: relative to the study folder
     driver: str | None = None  #: the driver that runs it (``host:pid:random``)
     host: str | None = None

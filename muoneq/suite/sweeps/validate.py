@@ -8,7 +8,10 @@ composed and type-checked exactly as that command will (:func:`muoneq.suite.runt
 without training), and the first bad point stops the sweep with its key and the config error; the
 objective, and every metric the ``report:`` section names, must be a key of the ``metrics.json`` its
 task writes (:func:`muoneq.suite.runtime.metrics.metric_keys`), or the sweep stops naming the key,
-the closest one and the list. Run folders that already hold a run (a ``config.yaml``) are compared
+the closest one and the list; the data a point's runs read must be usable (its task's
+``check_data``, from file headers: a validation split shorter than ``task.data.val_tokens`` stops
+the sweep in one line; data not found on this machine is logged, since the machines that run the
+trials may hold it). Run folders that already hold a run (a ``config.yaml``) are compared
 with the config their point gives now: a changed experiment file or override never reuses, or
 continues, a run made with other settings. For an open (TPE) search, every search parameter is
 checked at its low and high bounds (every choice of a categorical one), with the others at their low
@@ -20,14 +23,17 @@ start. Bracketing checks each value it would add the same way before adding it
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from muoneq.suite.errors import UserError
+from muoneq.suite.errors import DataError, UserError
 from muoneq.suite.sweeps.launch import trial_command
 from muoneq.suite.sweeps.report_spec import metrics_named
 from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec, format_value
 from muoneq.suite.sweeps.study import check_study_fingerprint, existing_study
+
+log = logging.getLogger("muoneq.suite.sweeps")
 
 #: the words that start the training command in a trial's argv (``… -m muoneq train …``)
 TRAIN_COMMAND = ("muoneq", "train")
@@ -75,23 +81,51 @@ def preflight(spec: SweepSpec, url: str | None, study_dir: Path) -> int:
 
 
 def check_metrics(spec: SweepSpec, cfg, point: Point) -> None:
-    """:class:`SweepError` when the objective or a metric of the report is not a key of the
-    ``metrics.json`` that ``cfg`` (``point``'s config) writes; nothing when its task declares
-    no keys."""
-    from muoneq.suite.runtime.metrics import METRICS_FILE, metric_keys
+    """:class:`SweepError` when the objective or a metric of the report is not a number of the
+    ``metrics.json`` that ``cfg`` (``point``'s config) writes on this machine (a misspelled key,
+    text such as ``git_commit``, MFU on a CPU); nothing when its task declares no keys."""
+    from muoneq.suite.runtime.metrics import METRICS_FILE, TEXT_KEYS, metric_keys
 
     keys = metric_keys(cfg)
     if keys is None:
         return
+    numbers = [k for k in keys if k not in TEXT_KEYS]
     named = {spec.objective.metric: "objective.metric", **metrics_named(spec.report)}
     for metric, field in named.items():
-        if metric not in keys:
-            hint = difflib.get_close_matches(metric, keys, n=1, cutoff=0.6)
-            raise SweepError(
-                f"{field}={metric!r} is not a key of the {METRICS_FILE} a run of point "
-                f"{point.key!r} writes (task {cfg.task.name})"
-                + (f"; did you mean {hint[0]!r}?" if hint else "")
-                + f"; its keys: {', '.join(keys)}")
+        if metric in numbers:
+            continue
+        hint = difflib.get_close_matches(metric, numbers, n=1, cutoff=0.6)
+        what = ("is text, not a number, in" if metric in keys else
+                "is not a key of")
+        raise SweepError(
+            f"{field}={metric!r} {what} the {METRICS_FILE} a run of point {point.key!r} writes "
+            f"on this machine (task {cfg.task.name})"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f"; its numeric keys: {', '.join(numbers)}")
+
+
+def check_data(cfg, point: Point, checked: set[str]) -> None:
+    """:class:`SweepError` when the data a run of ``point`` (its config ``cfg``) reads is
+    unusable (its task's ``check_data``: a validation split shorter than ``val_tokens``, say),
+    once per distinct ``task`` config (``checked``). Data not found on this machine is only
+    logged: the machines that run the trials may hold it (an ``srun`` launch), and a trial
+    without it stops with status 2, never retried."""
+    from omegaconf import OmegaConf
+
+    from muoneq.suite.runtime.tasks import get_task
+
+    check = get_task(cfg.task.name).check_data
+    key = OmegaConf.to_yaml(cfg.task)
+    if check is None or key in checked:
+        return
+    checked.add(key)
+    try:
+        check(cfg)
+    except DataError as err:
+        log.warning("not on this machine (the machines that run the trials of point %s need "
+                    "it): %s", point.key, err)
+    except UserError as err:
+        raise SweepError(f"point {point.key!r}: {err}") from None
 
 
 def check_trials(spec: SweepSpec, study_dir: Path) -> int:
@@ -105,6 +139,7 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
     check_folder_names(points)
     checked = value_cover(points) if spec.is_grid else {p.key for p in points}
     cache: dict = {}
+    data_checked: set[str] = set()
     composed = 0
     for point in points:
         for i, seed in enumerate(spec.seeds):
@@ -121,6 +156,7 @@ def check_trials(spec: SweepSpec, study_dir: Path) -> int:
             if cfg is None:
                 return 0
             check_metrics(spec, cfg, point)
+            check_data(cfg, point, data_checked)
             composed += 1
             changed = [] if saved is None else record.changed_settings(saved, cfg)
             if changed:

@@ -57,11 +57,17 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
         return Verdict(TrialState.FAIL, "diverged", record=record,
                        message=f"diverged at step {stopped[0].get('diverged_at_step')}: "
                                f"{stopped[0].get('diverged')}")
-    if any(metric not in m for m in per_seed):
+    unmeasured = [m for m in per_seed if m.get(metric) is None]
+    if unmeasured:
         # a retry would read the same file: the objective must be fixed (a config error)
+        m = unmeasured[0]
+        what = (f"no {metric!r} (objective.metric)" if metric not in m else
+                f"{metric!r} = null (objective.metric: not measured by this run, or not finite)")
+        numbers = [k for k, v in m.items() if isinstance(v, int | float) and
+                   not isinstance(v, bool)]
         return Verdict(TrialState.FAIL, "config_error", record=record, missing_metric=True,
-                       message=f"{METRICS_FILE} has no {metric!r} (objective.metric); it has: "
-                               f"{', '.join(sorted(per_seed[0]))}")
+                       message=f"{METRICS_FILE} has {what}; it has numbers for: "
+                               f"{', '.join(sorted(numbers))}")
     values = [m[metric] for m in per_seed]
     if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
         return Verdict(TrialState.FAIL, "diverged", record=record, message=f"{metric} = {values}")

@@ -11,6 +11,8 @@
 * :func:`validation_sequences` + :class:`ShardedEvalSampler`: the first ``budget`` predicted
   tokens of the validation split (default 10,485,760), identical for every optimizer, split
   over ranks without padding, so the mean loss is over exactly ``budget`` tokens.
+* :func:`check_split_sizes`: the same checks of the splits' sizes, from the shards' headers
+  alone, before any run starts.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from muoneq_tasks.language.shards import open_shard, read_header
+from muoneq.suite.errors import UserError
+from muoneq_tasks.language.shards import find_shards, open_shard, read_header
 
 DEFAULT_VAL_TOKENS = 10_485_760
+
+
+class SplitTooSmall(UserError, ValueError):
+    """A split holds fewer tokens than a run reads from it (the message names the split, both
+    sizes and the fix): a data error, which no retry can mend."""
 
 
 class TokenStream:
@@ -119,9 +127,10 @@ class SequenceSampler(DistributedSampler):
         self.rank, self.num_replicas, self.drop_last = rank, world_size, True
         self.batches_per_epoch = n // world_size // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{n} sequences cannot fill one batch of {batch_size} on each of {world_size} "
-                "rank(s): prepare more tokens or lower the batch size / sequence length"
+            raise SplitTooSmall(
+                f"the training split holds {n} sequences, which cannot fill one batch of "
+                f"{batch_size} on each of {world_size} process(es); prepare more training "
+                "tokens, or lower task.data.micro_batch_size or task.data.seq_len"
             )
         self.epoch, self.consumed = epoch, consumed
 
@@ -172,10 +181,14 @@ def validation_sequences(stream: TokenStream, seq_len: int,
             f"{seq_len} so that the validation set is exactly that many tokens"
         )
     if len(stream) < budget + 1:
-        raise ValueError(
-            f"the validation split ({', '.join(map(str, stream.files))}) has {len(stream)} tokens; "
-            f"data.val_tokens={budget} needs {budget + 1}. Prepare a larger validation split "
-            "(muoneq data --val-tokens) or lower data.val_tokens"
+        files = stream.files
+        where = str(files[0]) if len(files) == 1 else f"{len(files)} shards in {files[0].parent}"
+        fits = (len(stream) - 1) // seq_len * seq_len
+        raise SplitTooSmall(
+            f"task.data.val_tokens={budget} needs {budget + 1} tokens of the validation split, "
+            f"which has {len(stream)} ({where}); "
+            + (f"lower task.data.val_tokens to {fits} or less, or " if fits else "")
+            + "prepare a larger validation split (muoneq data … --val-tokens N)"
         )
     return PackedSequences(stream, seq_len, limit=budget + 1)
 
@@ -183,3 +196,15 @@ def validation_sequences(stream: TokenStream, seq_len: int,
 def perplexity(mean_loss: float) -> float:
     """``exp(mean token cross-entropy)`` (nats), the paper's validation perplexity."""
     return math.exp(mean_loss)
+
+
+def check_split_sizes(data) -> None:
+    """Raise what a run on the shards of ``data`` (a ``task.data`` config) would raise about
+    them before its first step, from their headers alone (a sweep's preflight): a missing split
+    (:class:`~muoneq.suite.errors.DataError`), a damaged shard, a validation split shorter than
+    ``val_tokens + 1`` or a training split shorter than one micro-batch
+    (:class:`SplitTooSmall`; more processes need more)."""
+    train = TokenStream(find_shards(data.train_files or data.dir, "train"))
+    val = TokenStream(find_shards(data.val_files or data.dir, "val"))
+    validation_sequences(val, data.seq_len, data.val_tokens)
+    SequenceSampler(len(PackedSequences(train, data.seq_len)), data.micro_batch_size)
