@@ -220,6 +220,31 @@ def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, out: Tensor |
     return _addmm(X, B, X, beta=a, out=out)
 
 
+def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
+                  poly: Tensor) -> Tensor:
+    """Newton–Schulz steps on a normalized stack ``X`` ``(k, m, n)``, three batched products
+    per step, in persistent buffers: the iterate alternates between ``X`` and ``other``, the
+    ``(k, s, s)`` Gram matrix and polynomial (``s = min(m, n)``) live in ``gram`` and ``poly``.
+
+    Tall matrices stay tall: ``A = XᵀX`` and ``X ← a·X + X·B`` are the wide iteration of
+    ``Xᵀ`` transposed, with no transposed copy. Returns the buffer holding the last iterate.
+    """
+    tall = X.size(-2) > X.size(-1)
+    (current, current_t), (following, following_t) = ((X, X.mT), (other, other.mT))
+    for a, b, c in coefficients:
+        if tall:
+            torch.bmm(current_t, current, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.baddbmm(current, current, poly, beta=a, out=following)
+        else:
+            torch.bmm(current, current_t, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.baddbmm(current, poly, current, beta=a, out=following)
+        (current, current_t), (following, following_t) = ((following, following_t),
+                                                          (current, current_t))
+    return current
+
+
 def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
            out: Tensor | None = None) -> Tensor:
     """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
@@ -413,12 +438,20 @@ class Workspace:
 
     def __init__(self) -> None:
         self._flat: dict[tuple, Tensor] = {}
+        self._reserved: dict[tuple, int] = {}
+
+    def reserve(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> None:
+        """Announce a later :meth:`take`: the first take of ``name`` allocates the largest size
+        reserved, so that views taken one after another stay views of one buffer."""
+        key = (name, dtype, torch.device(device))
+        self._reserved[key] = max(self._reserved.get(key, 0), math.prod(shape))
 
     def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
         key, size = (name, dtype, torch.device(device)), math.prod(shape)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < size:
-            flat = self._flat[key] = torch.empty(size, dtype=dtype, device=device)
+            size_now = max(size, self._reserved.get(key, 0))
+            flat = self._flat[key] = torch.empty(size_now, dtype=dtype, device=device)
         return flat[:size].view(shape)
 
     @property

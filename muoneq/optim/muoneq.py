@@ -8,11 +8,12 @@ import math
 import torch
 from torch import Tensor
 
-from muoneq.functional import DirectionRule, canonical_mode, equilibrate
+from muoneq.functional import canonical_mode, equilibrate
 from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
 from muoneq.optim import executors
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import converted, nonnegative
+from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
@@ -98,7 +99,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
 
     def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
-        """Lines 11–12 as two stages the functional core runs itself, ``NS_K`` after
+        """Lines 11–12 as two stages the per-slot path runs itself, ``NS_K`` after
         :func:`~muoneq.functional.equilibrate` (a subclass that replaces :meth:`_direction`
         is called through it instead)."""
         if type(self)._direction is not MuonEq._direction:
@@ -109,6 +110,18 @@ class MuonEq(HybridOrthogonalOptimizer):
         return DirectionRule(orthogonalize, precondition, stacked=stacked,
                              stack_elements=executors.STACK_ELEMENTS,
                              workspace=None if self._compiled else self._workspace)
+
+    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
+        """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
+        subclass's own :meth:`_direction`, nor ``compile=True``'s Newton–Schulz)."""
+        device = plan.params[0].device
+        if (type(self)._direction is not MuonEq._direction or self._compiled is not None
+                or not self._stacked(device)):
+            return None
+        orthogonalize = self._orthogonalizer(group, device)
+        return StackSettings(group["mode"], group["nesterov"], orthogonalize.keywords["dtype"],
+                             orthogonalize.keywords["schedule"], group["ns_algorithm"],
+                             group["lr_adjust"])
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
