@@ -36,6 +36,7 @@ executors of :mod:`muoneq.optim.executors` (DDP, FSDP2), which hand it the matri
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -46,7 +47,16 @@ from torch import Tensor
 
 from muoneq.functional import UpdateSettings, apply_update, lr_scale, momentum_input
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import NORM_EPS, NSSchedule, Workspace, gram_iterate, iterate_stack
+from muoneq.newton_schulz import (
+    AGREEMENT,
+    NORM_EPS,
+    NSSchedule,
+    Workspace,
+    backend_iteration,
+    fastest_iteration,
+    gram_iterate,
+    iterate_stack,
+)
 
 
 def is_dtensor(t) -> bool:
@@ -334,6 +344,7 @@ class StackSettings:
     schedule: NSSchedule
     algorithm: str
     lr_adjust: str
+    backend: str | Callable = "torch"  # ns_backend
 
 
 @dataclass(eq=False)
@@ -398,6 +409,10 @@ class Chunk:
     sources: tuple[list[Tensor], list[Tensor]] = ([], [])
     writebacks: list[tuple[Tensor, tuple[Tensor | None, Tensor]]] = field(default_factory=list)
     completes: list[tuple[list[Tensor], list[Tensor], float]] = field(default_factory=list)
+    #: the Newton–Schulz backend's stacked iteration, and its name (``ns_backend``; ``"auto"``
+    #: chose per chunk)
+    orthogonalize: Callable[..., Tensor] = iterate_stack
+    backend: str = "torch"
 
 
 #: DiagPre's sides per mode: the dimension summed for ``D_r`` (-1) and ``D_c`` (-2).
@@ -475,7 +490,28 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
                 taken[f"{name}{dim}"] for name in ("sums", "shifted", "scales"))
         chunk.squares, chunk.norm = taken.get("squares"), taken["norm"]
         _carve_segments(chunk, settings)
+        if settings.algorithm != "gram":
+            chunk.backend, chunk.orthogonalize = _backend(chunk, settings)
     _complete_banks(chunks, settings)
+
+
+def _backend(chunk: Chunk, settings: StackSettings) -> tuple[str, Callable[..., Tensor]]:
+    """The chunk's Newton–Schulz: the group's ``ns_backend``; for ``"auto"`` on a GPU, the
+    faster of torch and Triton on this chunk's buffers (one timing, at planning), torch
+    elsewhere."""
+    backend = settings.backend
+    if callable(backend):
+        return getattr(backend, "__name__", "callable"), backend_iteration(backend)
+    if backend != "auto":
+        return backend, backend_iteration(backend)
+    X = chunk.iterate[0]
+    if (X.device.type != "cuda" or X.dtype not in AGREEMENT or X.dtype == torch.float64
+            or importlib.util.find_spec("triton") is None):
+        return "torch", iterate_stack
+    candidates = {name: backend_iteration(name) for name in ("torch", "triton")}
+    name = fastest_iteration(candidates, X, settings.schedule.coefficients,
+                             other=chunk.iterate[1], gram=chunk.gram, poly=chunk.poly)
+    return name, candidates[name]
 
 
 def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
@@ -545,7 +581,6 @@ def _complete_banks(chunks: list[Chunk], settings: StackSettings) -> None:
 # ----------------------------------------------------------------------------- a stacked step
 def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
                 settings: UpdateSettings, stack: StackSettings, *, eps: float,
-                iterate: Callable[..., Tensor] = iterate_stack,
                 workspace: Workspace | None = None) -> None:
     """Algorithm 1 for every matrix of a planned group, chunk by chunk (module docstring);
     ``grads`` in the order of ``plan.params``, all present and dense."""
@@ -570,8 +605,8 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
             found = gram_iterate(X if wide else X.mT, stack.schedule.coefficients, workspace)
             found = found if wide else found.mT
         else:
-            found = iterate(X, stack.schedule.coefficients, other=chunk.iterate[1],
-                            gram=chunk.gram, poly=chunk.poly)
+            found = chunk.orthogonalize(X, stack.schedule.coefficients, other=chunk.iterate[1],
+                                        gram=chunk.gram, poly=chunk.poly)
         _epilogue(chunk, found, lr)
 
 

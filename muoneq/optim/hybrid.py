@@ -46,6 +46,7 @@ from muoneq.functional import LR_ADJUST, UpdateSettings
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Workspace,
+    canonical_backend,
     dtype_name,
     normalize_coefficients,
     ns_flops,
@@ -149,7 +150,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             cls.stateless_direction = False
 
     def __init__(self, params, *, distributed: bool | str = "auto", batching: str = "auto",
-                 process_group=None, **hyperparameters):
+                 ns_backend: str | Callable = "torch", process_group=None, **hyperparameters):
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
@@ -158,12 +159,30 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             )
         self.distributed = distributed
         self.batching = batching
+        self.ns_backend = canonical_backend(ns_backend)
         self.process_group = process_group
         super().__init__(params, **hyperparameters)
+        if self.ns_backend == "triton":
+            self._check_triton()
 
     def _options(self) -> dict:
         return {"distributed": self.distributed, "batching": self.batching,
-                "process_group": self.process_group}
+                "ns_backend": self.ns_backend, "process_group": self.process_group}
+
+    def _check_triton(self) -> None:
+        """``ns_backend="triton"`` needs triton, and CUDA tensors (or Triton's interpreter)
+        and a Newton–Schulz dtype its kernels take, in every matrix group."""
+        try:
+            from muoneq import ns_triton
+        except ImportError:
+            raise ValueError("ns_backend='triton': triton is not installed "
+                             "(pip install triton), or use ns_backend='torch'") from None
+        for group in self.param_groups:
+            if group["use_muon"] and group["params"]:
+                device = group["params"][0].device
+                probe = torch.empty(0, dtype=resolve_dtype(group["ns_dtype"], device),
+                                    device=device)
+                ns_triton.check_tensor(probe)
 
     def _reset_caches(self) -> None:
         self._checked_same_gradients = False
@@ -279,7 +298,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         found = self._orthogonalizers.get(key)
         if found is None:
             found = self._orthogonalizers[key] = orthogonalizer(
-                *key[:4], device=device, run=self._compiled or run_schedule)
+                *key[:4], device=device, run=self._compiled or run_schedule,
+                backend=self.ns_backend)
         return found
 
     def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
@@ -321,10 +341,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                       not plan.matches(group["params"], self.state)):
                 plans[index] = self._plan_group(group)
                 self._stacks = None
+        split = self._split_group()  # DDP: the executors split the matrices, no stacks here
         wanted = tuple((index, self._stack_settings(group, plan))
                        for index, (group, plan) in enumerate(zip(self.param_groups, plans,
                                                                  strict=True))
-                       if plan is not None and plan.params and plan.replicated)
+                       if plan is not None and plan.params and plan.replicated and split is None)
         key = (wanted, executors.STACK_ELEMENTS)
         if self._stacks is None or self._stacks[0] != key:
             self._stack_workspace = Workspace()
@@ -336,6 +357,13 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                 carve(chunks, settings, self._stack_workspace)
             self._stacks = (key, stacks)
         return self._stacks[1]
+
+    @property
+    def planned_backends(self) -> dict[tuple[int, int], str]:
+        """The Newton–Schulz backend of each shape of matrices the stacked path steps, as
+        planned at the last step (``ns_backend="auto"`` chooses per shape)."""
+        stacks = {} if self._stacks is None else self._stacks[1]
+        return {chunk.shape: chunk.backend for _, chunks in stacks.values() for chunk in chunks}
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where

@@ -121,7 +121,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         orthogonalize = self._orthogonalizer(group, device)
         return StackSettings(group["mode"], group["nesterov"], orthogonalize.keywords["dtype"],
                              orthogonalize.keywords["schedule"], group["ns_algorithm"],
-                             group["lr_adjust"])
+                             group["lr_adjust"], self.ns_backend)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
