@@ -151,9 +151,20 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     return NSSchedule(spec)
 
 
-#: ``ns_dtype="auto"``: float32 on CPU (no faster in bf16 there, and more accurate), bfloat16 on
-#: accelerators (CUDA, NPU, …), the paper's setting.
+#: ``ns_dtype="auto"``: bfloat16 on accelerators (CUDA, NPU, …), the paper's setting, and on a
+#: CPU whose matrix units multiply bf16 natively (:func:`cpu_has_native_bf16`: there a bf16
+#: matmul runs at twice float32's rate); float32 on other CPUs, which emulate bf16 products
+#: (~40× slower than float32) — and float32 is the more accurate.
 AUTO_DTYPE = "auto"
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX tiles, as torch's CPU
+    probes report them (``torch.backends.cpu.get_cpu_capability()`` names the vector width
+    only: ``"AVX512"`` with or without them)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, bool)() for probe in probes)
 
 
 def dtype_name(dtype) -> str:
@@ -171,7 +182,8 @@ def dtype_name(dtype) -> str:
 def resolve_dtype(dtype, device: torch.device | str | None = None, *,
                   allow_auto: bool | None = None) -> torch.dtype:
     """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …); ``"auto"`` is
-    float32 on a CPU ``device`` and bfloat16 on any other (it needs the ``device``)."""
+    bfloat16 on an accelerator ``device`` and on a CPU with native bf16 products, float32 on
+    other CPUs (:data:`AUTO_DTYPE`; it needs the ``device``)."""
     allow_auto = device is not None if allow_auto is None else allow_auto
     allowed = ", ".join([AUTO_DTYPE, *DTYPES] if allow_auto else DTYPES)
     if isinstance(dtype, torch.dtype):
@@ -179,7 +191,8 @@ def resolve_dtype(dtype, device: torch.device | str | None = None, *,
             raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {allowed}")
         return dtype
     if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE and device is not None:
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        cpu = torch.device(device).type == "cpu"
+        return torch.float32 if cpu and not cpu_has_native_bf16() else torch.bfloat16
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {allowed}")

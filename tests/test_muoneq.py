@@ -9,7 +9,7 @@ from torch import nn
 
 from muoneq import MuonEq, muoneq_update
 from muoneq.functional import lr_scale, update_parameter
-from muoneq.newton_schulz import resolve_dtype
+from muoneq.newton_schulz import dtype_name, resolve_dtype
 from tests.helpers.reference import QUINTIC, muoneq_ref
 
 F64 = torch.float64
@@ -359,8 +359,14 @@ def test_optimizer_state_round_trips_through_torch_distributed_checkpoint(tmp_pa
     assert fresh.param_groups[0]["ns_dtype"] == "float32"
 
 
-def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators():
-    assert resolve_dtype("auto", "cpu") is torch.float32
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_ns_dtype_is_bfloat16_on_accelerators_and_cpus_that_multiply_it(native_bf16,
+                                                                             monkeypatch):
+    """bf16 where the hardware multiplies it (accelerators; CPUs with AVX512-BF16 or AMX),
+    float32 on other CPUs."""
+    monkeypatch.setitem(resolve_dtype.__globals__, "cpu_has_native_bf16", lambda: native_bf16)
+    auto = torch.bfloat16 if native_bf16 else torch.float32
+    assert resolve_dtype("auto", "cpu") is auto
     assert resolve_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
     with pytest.raises(ValueError, match="ns_dtype: unknown dtype 'auto'; allowed: float64"):
         resolve_dtype("auto")  # no device to decide for
@@ -370,5 +376,5 @@ def test_auto_ns_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators():
         params[dtype] = nn.Parameter(X0.clone())
         run_steps(MuonEq([params[dtype]], lr=0.02, ns_dtype=dtype), [params[dtype]],
                   [[g] for g in grads])
-    assert torch.equal(params["auto"], params["float32"])
-    assert not torch.equal(params["auto"], params["bfloat16"])
+    assert torch.equal(params["auto"], params[dtype_name(auto)])
+    assert not torch.equal(params["float32"], params["bfloat16"])

@@ -124,7 +124,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
         "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
-        # "auto": float32 on CPU, bfloat16 on accelerators; one spelling in every group
+        # "auto": bf16 on accelerators and CPUs that multiply it natively, else float32; one
+        # spelling in every group
         "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
         "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
         "adamw_betas": Hyper((0.9, 0.95), betas),

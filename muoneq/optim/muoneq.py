@@ -48,8 +48,9 @@ class MuonEq(HybridOrthogonalOptimizer):
         ns_steps: Newton–Schulz steps ``K`` ≥ 1.
         ns_coefficients: ``"quintic"``, ``"taylor"``, ``"polar_express"``, ``(a, b, c)`` or a
             list of ``ns_steps`` tuples (see :mod:`muoneq.newton_schulz`).
-        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: float32 on CPU,
-            bfloat16 on accelerators), a ``torch.dtype`` or its name.
+        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: bfloat16 on
+            accelerators and on CPUs with native bf16 products, float32 on other CPUs;
+            :data:`muoneq.newton_schulz.AUTO_DTYPE`), a ``torch.dtype`` or its name.
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
         lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``),
             ``"spectral_unclamped"`` (``√(m/n)``) or ``"none"`` (1); see

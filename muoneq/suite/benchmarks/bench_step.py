@@ -147,7 +147,8 @@ class Contender:
 
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
     """torch.optim.Muon and our Muon (both bf16: the same algorithm, bit for bit), MuonEq's
-    modes and paths at the default ``ns_dtype="auto"`` (float32 on CPU, bf16 on accelerators),
+    modes and paths at the default ``ns_dtype="auto"`` (bf16 on accelerators and on CPUs with
+    native bf16 products, float32 on other CPUs),
     MuonEq-R in the other dtype, on a GPU also on this project's Triton kernels and with
     ``ns_backend="auto"``, and the authors' loop (bf16)."""
     auto = dtype_name(resolve_dtype("auto", device))
