@@ -137,7 +137,7 @@ class OptimizerBase(torch.optim.Optimizer):
 
     def _group_to_step(self, group: dict) -> tuple[dict, list[Tensor]] | None:
         """One group as :meth:`_groups_to_step` yields it, ``None`` when no parameter of it has
-        a gradient."""
+        a gradient (a ``capturable`` group keeps a tensor ``lr``: it is read on the device)."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return None
@@ -146,7 +146,7 @@ class OptimizerBase(torch.optim.Optimizer):
         for p in params:
             if not self.state[p]:  # reset by the user, or loaded without it
                 self._init_state(p, group)
-        if isinstance(group["lr"], Tensor):
+        if isinstance(group["lr"], Tensor) and not group.get("capturable"):
             group = {**group, "lr": scalar(group["lr"])}
         return group, params
 

@@ -281,6 +281,8 @@ class GroupPlan:
     pointers: list[int | None]
     slots: list[MatrixSlot | None]
     banks: list[Bank]
+    #: line 13's ``1 − η·λ`` of a stacked step with tensor hyper-parameters (``capturable``)
+    decay: Tensor | None = None
 
     @classmethod
     def of(cls, params: Sequence[Tensor], layouts: Sequence[MatrixLayout], banks: list[Bank],
@@ -408,7 +410,8 @@ class Chunk:
     targets: list[Tensor] = field(default_factory=list)
     sources: tuple[list[Tensor], list[Tensor]] = ([], [])
     writebacks: list[tuple[Tensor, tuple[Tensor | None, Tensor]]] = field(default_factory=list)
-    completes: list[tuple[list[Tensor], list[Tensor], float]] = field(default_factory=list)
+    completes: list[tuple[list[Tensor], list[Tensor]]] = field(default_factory=list)
+    step: Tensor | None = None
     #: the Newton–Schulz backend's stacked iteration, and its name (``ns_backend``; ``"auto"``
     #: chose per chunk)
     orthogonalize: Callable[..., Tensor] = iterate_stack
@@ -424,6 +427,8 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
     """Bucket the blocks of a group's banks by matrix shape (and dtype, device) into chunks of
     at most ``stack_elements`` elements (at least one parameter) and reserve their buffers in
     ``workspace``; :func:`carve` gives them out once every group is planned."""
+    if plan.banks:
+        plan.decay = torch.empty((), dtype=torch.float32, device=plan.banks[0].momentum.device)
     buckets: dict[tuple, list[tuple[Bank, int]]] = {}
     for bank in plan.banks:
         for split, rows in enumerate(bank.layout.rows):
@@ -468,6 +473,7 @@ def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspac
         if dim == -2:
             requests.append(("squares", (count, rows, n), accumulate))
     requests.append(("norm", (count, 1, 1), accumulate if settings.mode in ("R", "C") else ns))
+    requests.append(("step", (1,), accumulate))
     chunk.requests = [(*r, bank.momentum.device) for r in requests]
     for request in chunk.requests:
         workspace.reserve(*request)
@@ -489,10 +495,11 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
             chunk.sums[dim], chunk.shifted[dim], chunk.scales[dim] = (
                 taken[f"{name}{dim}"] for name in ("sums", "shifted", "scales"))
         chunk.squares, chunk.norm = taken.get("squares"), taken["norm"]
+        chunk.step = taken["step"].view(())
         _carve_segments(chunk, settings)
         if settings.algorithm != "gram":
             chunk.backend, chunk.orthogonalize = _backend(chunk, settings)
-    _complete_banks(chunks, settings)
+    _complete_banks(chunks)
 
 
 def _backend(chunk: Chunk, settings: StackSettings) -> tuple[str, Callable[..., Tensor]]:
@@ -564,7 +571,7 @@ def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
         chunk.source = chunk.stack
 
 
-def _complete_banks(chunks: list[Chunk], settings: StackSettings) -> None:
+def _complete_banks(chunks: list[Chunk]) -> None:
     """Give the chunk that writes the last block of a staged uniform bank back that bank's
     update: its parameters, their directions in the stored layout, and ``a``."""
     last: dict[int, tuple[Bank, Chunk]] = {}
@@ -573,9 +580,8 @@ def _complete_banks(chunks: list[Chunk], settings: StackSettings) -> None:
             layout = segment.bank.layout
             if not layout.plain and layout.uniform:
                 last[id(segment.bank)] = (segment.bank, chunk)
-    for bank, chunk in last.values():
-        chunk.completes.append((bank.params, list(bank.gather.unbind(0)),
-                                lr_scale(bank.layout.blocks[0], settings.lr_adjust)))
+    for bank, chunk in last.values():  # its blocks have the chunk's shape, and so its ``a``
+        chunk.completes.append((bank.params, list(bank.gather.unbind(0))))
 
 
 # ----------------------------------------------------------------------------- a stacked step
@@ -585,8 +591,9 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
     """Algorithm 1 for every matrix of a planned group, chunk by chunk (module docstring);
     ``grads`` in the order of ``plan.params``, all present and dense."""
     beta, lr = settings.momentum, settings.lr
-    if settings.weight_decay != 0:
-        torch._foreach_mul_(plan.params, 1 - lr * settings.weight_decay)
+    decay = _decay(plan, lr, settings.weight_decay)
+    if decay is not None:
+        torch._foreach_mul_(plan.params, decay)
     if not settings.nesterov:
         torch._foreach_lerp_(plan.momenta, grads, 1 - beta)  # line 5, every matrix at once
     else:
@@ -608,6 +615,15 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
             found = chunk.orthogonalize(X, stack.schedule.coefficients, other=chunk.iterate[1],
                                         gram=chunk.gram, poly=chunk.poly)
         _epilogue(chunk, found, lr)
+
+
+def _decay(plan: GroupPlan, lr: float | Tensor, weight_decay: float | Tensor):
+    """Line 13's ``1 − η·λ``: a number, or with a tensor ``η`` or ``λ`` (``capturable``) a
+    0-d tensor computed on the device (``None``: no decay)."""
+    if not isinstance(lr, Tensor) and not isinstance(weight_decay, Tensor):
+        return None if weight_decay == 0 else 1 - lr * weight_decay
+    first, second = (lr, weight_decay) if isinstance(lr, Tensor) else (weight_decay, lr)
+    return torch.mul(first, second, out=plan.decay).neg_().add_(1)
 
 
 def _momentum_and_input(gather: Tensor, momentum: Tensor, params: list[Tensor],
@@ -666,15 +682,20 @@ def _inverse_roots(sums: Tensor, shifted: Tensor, out: Tensor, eps: float) -> Te
     return out.nan_to_num_(nan=0.0, posinf=0.0) if eps == 0 else out
 
 
-def _epilogue(chunk: Chunk, found: Tensor, lr: float) -> None:
-    """Line 13's ``X ← X − a·η·O`` for every matrix of the chunk (the decay came first)."""
+def _epilogue(chunk: Chunk, found: Tensor, lr: float | Tensor) -> None:
+    """Line 13's ``X ← X − a·η·O`` for every matrix of the chunk (the decay came first); a
+    tensor ``η`` (``capturable``) scales the directions on the device first."""
     from_final = found is chunk.final and found.dtype == chunk.segments[0].momentum.dtype
-    if not from_final:
-        chunk.stack.copy_(found)
+    buffer = found if from_final else chunk.stack.copy_(found)
     pick = 0 if from_final else 1
+    if isinstance(lr, Tensor):
+        buffer.mul_(torch.mul(lr, -chunk.scale, out=chunk.step))
+        alpha = 1.0
+    else:
+        alpha = -lr * chunk.scale
     if chunk.targets:
-        torch._foreach_add_(chunk.targets, chunk.sources[pick], alpha=-lr * chunk.scale)
+        torch._foreach_add_(chunk.targets, chunk.sources[pick], alpha=alpha)
     for back, sources in chunk.writebacks:
         back.copy_(sources[pick])
-    for params, found_stored, scale in chunk.completes:
-        torch._foreach_add_(params, found_stored, alpha=-lr * scale)
+    for params, found_stored in chunk.completes:
+        torch._foreach_add_(params, found_stored, alpha=alpha)

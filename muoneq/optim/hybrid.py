@@ -263,7 +263,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if group["use_muon"]:
             self._init_matrix_state(p, self.state[p], group)
         else:
-            init_adamw_state(p, self.state[p])
+            init_adamw_state(p, self.state[p], capturable=group.get("capturable", False))
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         """Persistent state of a matrix parameter: one momentum buffer (as Muon), in the
@@ -326,7 +326,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                 beta1, beta2 = group["adamw_betas"]
                 adamw_update(params, [p.grad for p in params], [self.state[p] for p in params],
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
-                             weight_decay=group["weight_decay"])
+                             weight_decay=group["weight_decay"],
+                             capturable=group.get("capturable", False))
         return loss
 
     def _planned(self) -> dict[int, tuple[StackSettings, list[Chunk]]]:
@@ -386,8 +387,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             return
         if any(g.is_sparse for g in grads if g is not None):
             raise self._sparse_error()
-        lr = scalar(group["lr"])
-        settings = UpdateSettings(lr=lr, weight_decay=group["weight_decay"],
+        capturable = group.get("capturable", False)
+        settings = UpdateSettings(lr=group["lr"] if capturable else scalar(group["lr"]),
+                                  weight_decay=group["weight_decay"],
                                   momentum=group["momentum"], nesterov=group["nesterov"],
                                   lr_adjust=group["lr_adjust"])
         if stacks is not None and all(present) and self._split_group() is None:
@@ -395,6 +397,12 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             step_stacks(plan, chunks, grads, settings, stack, eps=group["eps"],
                         workspace=self._stack_workspace)
             return
+        if capturable:
+            raise RuntimeError(
+                "capturable=True: this step cannot take the stacked path (it needs every "
+                "matrix of the group with a gradient, one process computing them all, plain "
+                "tensors, batching='stacked' or an accelerator); use capturable=False"
+            )
         slots = [slot if slot is not None else
                  MatrixSlot(p, local(p), local(self.state[p]["momentum_buffer"]), layout)
                  for slot, p, layout, ok in zip(plan.slots, plan.params, plan.layouts, present,

@@ -12,7 +12,7 @@ from muoneq.functional import canonical_mode, equilibrate
 from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
 from muoneq.optim import executors
 from muoneq.optim.base import Hyper
-from muoneq.optim.checks import converted, nonnegative
+from muoneq.optim.checks import boolean, converted, nonnegative
 from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
@@ -68,6 +68,12 @@ class MuonEq(HybridOrthogonalOptimizer):
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
             or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
+        capturable: a step with no host synchronization, which a CUDA graph can capture
+            (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
+            device tensors, read on the device (change them in place between steps, as LR
+            schedulers do), AdamW's step counters live on the device; matrix groups take the
+            stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
+            matrix given a gradient.
         compile: run Newton–Schulz through ``torch.compile`` (opt-in; fuses the scaling and
             casts on GPU, rounds slightly differently from eager).
         process_group: the group to split replicated matrices over (default: the world).
@@ -78,8 +84,9 @@ class MuonEq(HybridOrthogonalOptimizer):
         "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
         "ns_algorithm": Hyper("standard", converted(canonical_algorithm), when="use_muon",
                               annotation=str),
+        "capturable": Hyper(False, boolean, annotation=bool),
     }
-    added_keys = {"ns_algorithm": "standard"}
+    added_keys = {"ns_algorithm": "standard", "capturable": False}
     stateless_direction = True
 
     def __init__(self, params, *, compile: bool = False, **hyperparameters):
@@ -90,6 +97,21 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
+
+    def _validate(self, group: dict) -> None:
+        super()._validate(group)
+        if not group["capturable"]:
+            return
+        devices = {p.device.type for p in group["params"]}
+        why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
+               "batching='stacked')" if group["use_muon"] and any(
+                   not self._stacked(torch.device(d)) for d in devices)
+               else "compile=True runs a compiled Newton–Schulz" if self.compile
+               else f"{type(self).__name__} replaces MuonEq's direction"
+               if type(self)._direction is not MuonEq._direction else None)
+        if why is not None:
+            raise ValueError(f"capturable: only MuonEq's stacked step is capturable, and {why}; "
+                             "use capturable=False")
 
     def _reset_caches(self) -> None:
         super()._reset_caches()
