@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from muoneq import MuonEq, diag_pre
+from muoneq import MuonEq, build_optimizer, diag_pre
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -150,3 +150,33 @@ def test_an_added_group_is_stepped_as_in_an_optimizer_built_with_it():
     built.step()
     for a, b in zip(first + second, twins[0] + twins[1], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["normuon", "muon_plus"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(method,
+                                                                               nesterov):
+    """Their rules (a row second moment, banked like the momentum; column/row normalizations)
+    run batched after the stacked Newton–Schulz and give the per-matrix path's parameters and
+    state, in float64."""
+    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
+    results = {}
+    for batching in ("stacked", "per_matrix"):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = build_optimizer(method, [{"params": params}], lr=0.05, nesterov=nesterov,
+                              ns_dtype="float64", batching=batching)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            seen = dispatched(opt.step)
+        results[batching] = (params, opt.state_dict()["state"])
+        if batching == "stacked":
+            assert seen.ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
+    (stacked, ours), (per_matrix, theirs) = results["stacked"], results["per_matrix"]
+    for a, b in zip(stacked, per_matrix, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for i, state in theirs.items():
+        for key, value in state.items():
+            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)

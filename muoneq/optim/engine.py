@@ -250,12 +250,14 @@ def directions(items: list, rule: DirectionRule, sink: Callable[[object, Tensor]
 class Bank:
     """Parameters of one group that share a stored layout, dtype and device, with their
     momentum as one ``(k, *stored)`` tensor: row ``j`` is parameter ``j``'s ``momentum_buffer``
-    (a view). ``gather`` (same shape, the parameters' dtype) holds the gradients and ``M̃`` of
+    (a view); ``state`` likewise holds a method's own per-matrix state (NorMuon's second
+    moments). ``gather`` (same shape, the parameters' dtype) holds the gradients and ``M̃`` of
     a bank that is not staged in place, and its directions before the update."""
 
     params: list[Tensor]
     layout: MatrixLayout
     momentum: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
     gather: Tensor | None = None
     #: DiagPre's dtype: float32 at least (bf16 sums of squares lose too much)
     accumulate: torch.dtype = field(init=False)
@@ -281,6 +283,8 @@ class GroupPlan:
     pointers: list[int | None]
     slots: list[MatrixSlot | None]
     banks: list[Bank]
+    #: the banked state of each parameter (the keys :func:`bank_state` banked), as planned
+    banked: list[dict[str, Tensor]] = field(default_factory=list)
     #: line 13's ``1 − η·λ`` of a stacked step with tensor hyper-parameters (``capturable``)
     decay: Tensor | None = None
 
@@ -288,11 +292,13 @@ class GroupPlan:
     def of(cls, params: Sequence[Tensor], layouts: Sequence[MatrixLayout], banks: list[Bank],
            state: dict) -> GroupPlan:
         plain = [not is_dtensor(p) for p in params]
+        keys = ["momentum_buffer", *(banks[0].state if banks else ())]
         return cls(list(params), list(layouts), [state[p] for p in params],
                    [state[p]["momentum_buffer"] for p in params],
                    [p.data_ptr() if ok else None for p, ok in zip(params, plain, strict=True)],
                    [MatrixSlot(p, p, state[p]["momentum_buffer"], layout) if ok else None
-                    for p, layout, ok in zip(params, layouts, plain, strict=True)], banks)
+                    for p, layout, ok in zip(params, layouts, plain, strict=True)], banks,
+                   [{key: state[p].get(key) for key in keys} for p in params])
 
     @property
     def replicated(self) -> bool:
@@ -304,34 +310,43 @@ class GroupPlan:
         momentum the plan made. Python only: no tensor operation, no device sync."""
         if len(params) != len(self.params):
             return False
-        for p, planned, st, momentum, pointer in zip(params, self.params, self.states,
-                                                      self.momenta, self.pointers, strict=True):
+        for p, planned, st, banked, pointer in zip(params, self.params, self.states,
+                                                    self.banked, self.pointers, strict=True):
             if (p is not planned or state.get(p) is not st
-                    or st.get("momentum_buffer") is not momentum
+                    or any(st.get(key) is not t for key, t in banked.items())
                     or (pointer is not None and p.data_ptr() != pointer)):
                 return False
         return True
 
 
-def bank_momentum(params: Sequence[Tensor], layouts: Sequence[MatrixLayout],
-                  state: dict) -> list[Bank]:
-    """Bank the momentum of a group's plain-tensor parameters by (layout, dtype, device): a
-    momentum already in the state is copied into its bank, a missing one starts at zero, and
-    the state then holds the bank's view. ``DTensor`` parameters keep their own momentum."""
+#: State banked per matrix: key → its shape for a layout (the momentum: the stored parameter's).
+StateShapes = dict[str, Callable[[MatrixLayout], tuple[int, ...]]]
+
+
+def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state: dict,
+               shapes: StateShapes | None = None) -> list[Bank]:
+    """Bank the momentum (and the state of ``shapes``, in the parameters' dtype) of a group's
+    plain-tensor parameters by (layout, dtype, device): state already there is copied into its
+    bank, missing state starts at zero, and the state then holds the bank's views. ``DTensor``
+    parameters keep their own state."""
+    shapes = {"momentum_buffer": lambda layout: layout.stored, **(shapes or {})}
     keyed: dict[tuple, list[int]] = {}
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         if not is_dtensor(p):
             keyed.setdefault((layout, p.dtype, p.device), []).append(i)
     banks = []
     for (layout, dtype, device), members in keyed.items():
-        momentum = torch.zeros((len(members), *layout.stored), dtype=dtype, device=device)
-        views = list(momentum.unbind(0))
-        for i, view in zip(members, views, strict=True):
-            old = state[params[i]].get("momentum_buffer")
-            if old is not None:
-                view.copy_(old)
-            state[params[i]]["momentum_buffer"] = view
-        banks.append(Bank([params[i] for i in members], layout, momentum))
+        tensors = {}
+        for key, shape in shapes.items():
+            tensors[key] = torch.zeros((len(members), *shape(layout)), dtype=dtype,
+                                       device=device)
+            for i, view in zip(members, tensors[key].unbind(0), strict=True):
+                old = state[params[i]].get(key)
+                if old is not None:
+                    view.copy_(old)
+                state[params[i]][key] = view
+        momentum = tensors.pop("momentum_buffer")
+        banks.append(Bank([params[i] for i in members], layout, momentum, tensors))
     return banks
 
 
@@ -347,6 +362,10 @@ class StackSettings:
     algorithm: str
     lr_adjust: str
     backend: str | Callable = "torch"  # ns_backend
+    #: a method's map from a chunk's Newton–Schulz output to its directions (Muon+'s
+    #: normalization, NorMuon's second moment): ``finish(O, segments) -> directions``, batched
+    #: over the ``(K, m, n)`` stack; the segments carry the rows and banked state of each part
+    finish: Callable[[Tensor, list], Tensor] | None = None
 
 
 @dataclass(eq=False)
@@ -364,6 +383,10 @@ class Segment:
     hi: int
     params: list[Tensor]
     momentum: Tensor
+    #: the bank's other state of these parameters (views), by key
+    state: dict[str, Tensor] = field(default_factory=dict)
+    #: the segment's matrices in the chunk
+    rows: slice | None = None
     stack: Tensor | None = None
     source: Tensor | None = None
     gather: Tensor | None = None
@@ -447,7 +470,8 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
                     current, filled = [], 0
                 hi = min(len(bank.params), lo + max(1, (per_stack - filled) // count))
                 current.append(Segment(bank, split, lo, hi, bank.params[lo:hi],
-                                       bank.momentum[lo:hi]))
+                                       bank.momentum[lo:hi],
+                                       {key: t[lo:hi] for key, t in bank.state.items()}))
                 filled += (hi - lo) * count
                 lo = hi
         if current:
@@ -528,7 +552,7 @@ def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
     offset = 0
     for segment in chunk.segments:
         bank, layout = segment.bank, segment.bank.layout
-        rows = slice(offset, offset + segment.count)
+        rows = segment.rows = slice(offset, offset + segment.count)
         oriented = layout.stacked_blocks(segment.momentum)[segment.split]
         segment.stack = chunk.stack[rows].view(oriented.shape)
         if bank.in_place:
@@ -614,6 +638,8 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
         else:
             found = chunk.orthogonalize(X, stack.schedule.coefficients, other=chunk.iterate[1],
                                         gram=chunk.gram, poly=chunk.poly)
+        if stack.finish is not None:
+            found = stack.finish(found, chunk.segments)
         _epilogue(chunk, found, lr)
 
 

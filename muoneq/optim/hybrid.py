@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,8 @@ from muoneq.optim.engine import (
     GroupUpdate,
     MatrixSlot,
     StackSettings,
-    bank_momentum,
+    StateShapes,
+    bank_state,
     carve,
     directions,
     local,
@@ -144,6 +146,10 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
     #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
     stateless_direction: bool = False
+    #: State of a method's own kept per matrix in banks like the momentum (key → its shape for
+    #: a :class:`~muoneq.layout.MatrixLayout`; the parameters' dtype), so that the stacked
+    #: path's ``finish`` reads it stacked.
+    banked_state: ClassVar[StateShapes] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -247,7 +253,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         params = group["params"]
         missing = [p for p in params if not self.state[p]]
         layouts = [MatrixLayout.of(p, group) for p in params]
-        banks = bank_momentum(params, layouts, self.state)
+        banks = bank_state(params, layouts, self.state, self.banked_state)
         for p in missing:
             self._init_state(p, group)
         return GroupPlan.of(params, layouts, banks, self.state)
@@ -369,9 +375,24 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where
-        it does not apply: the method's rule must be MuonEq's two stages (:class:`MuonEq`
-        overrides this), and the group stacked (``batching``)."""
+        it does not apply (the method's rule is one matrix at a time). A method whose rule is
+        DiagPre (or nothing), Newton–Schulz and a batched ``finish`` returns
+        :meth:`_stacked_settings` (MuonEq, Muon+, NorMuon)."""
         return None
+
+    def _stacked_settings(self, group: dict, plan: GroupPlan, mode: str,
+                          finish: Callable | None = None) -> StackSettings | None:
+        """The stacked path's settings for a group whose matrices are stacked (``batching``),
+        with ``mode`` DiagPre before Newton–Schulz and ``finish`` after it; ``None`` for a
+        compiled Newton–Schulz (``compile=True`` runs the per-slot path)."""
+        device = plan.params[0].device
+        if self._compiled is not None or not self._stacked(device):
+            return None
+        orthogonalize = self._orthogonalizer(group, device)
+        return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
+                             orthogonalize.keywords["schedule"],
+                             group.get("ns_algorithm", "standard"), group["lr_adjust"],
+                             self.ns_backend, finish)
 
     def _stacked(self, device: torch.device) -> bool:
         """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""
@@ -394,7 +415,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                   lr_adjust=group["lr_adjust"])
         if stacks is not None and all(present) and self._split_group() is None:
             stack, chunks = stacks
-            step_stacks(plan, chunks, grads, settings, stack, eps=group["eps"],
+            step_stacks(plan, chunks, grads, settings, stack, eps=group.get("eps", 0.0),
                         workspace=self._stack_workspace)
             return
         if capturable:

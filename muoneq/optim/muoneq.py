@@ -137,14 +137,9 @@ class MuonEq(HybridOrthogonalOptimizer):
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
         subclass's own :meth:`_direction`, nor ``compile=True``'s Newton–Schulz)."""
-        device = plan.params[0].device
-        if (type(self)._direction is not MuonEq._direction or self._compiled is not None
-                or not self._stacked(device)):
+        if type(self)._direction is not MuonEq._direction:
             return None
-        orthogonalize = self._orthogonalizer(group, device)
-        return StackSettings(group["mode"], group["nesterov"], orthogonalize.keywords["dtype"],
-                             orthogonalize.keywords["schedule"], group["ns_algorithm"],
-                             group["lr_adjust"], self.ns_backend)
+        return self._stacked_settings(group, plan, group["mode"])
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
