@@ -3,12 +3,11 @@
 Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is three
 kernels, each one program per output tile and matrix:
 
-* :func:`_gram_kernel` — ``A = Y·Yᵀ`` for the wide view ``Y`` of each matrix (``X`` itself, or
-  ``Xᵀ`` for a tall one, read through its strides: tall matrices stay tall in memory and ``A``
-  is the small ``XᵀX``). ``A`` is symmetric: only the tiles on and below the diagonal are
-  computed, and their lower triangles stored twice, mirrored (``A`` exactly symmetric);
-* :func:`_poly_kernel` — ``B = b·A + c·A·A`` fused (``A·A`` symmetric too: one triangle,
-  mirrored);
+* :func:`_symmetric_kernel` — ``A = Y·Yᵀ`` for the wide view ``Y`` of each matrix (``X``
+  itself, or ``Xᵀ`` for a tall one, read through its strides: tall matrices stay tall in memory
+  and ``A`` is the small ``XᵀX``). ``A`` is symmetric: only the tiles on and below the diagonal
+  are computed, and their lower triangles stored twice, mirrored (``A`` exactly symmetric);
+* the same kernel, ``B = b·A + c·A·A`` fused (``A·A`` symmetric too: one triangle, mirrored);
 * :func:`_apply_kernel` — ``X' = a·Y + B·Y`` fused, written through the strides of the output
   (tall again for a tall ``X``).
 
@@ -36,58 +35,46 @@ BLOCK, BLOCK_K = 64, 32
 
 
 @triton.jit
-def _gram_kernel(Y, A, rows, inner, y_b, y_r, y_c, a_b, a_r, a_c,
-                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATED: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """``A[k] = Y[k]·Y[k]ᵀ``: tile ``(i, j)`` for ``i ≥ j``, stored at ``(i, j)`` and ``(j, i)``."""
-    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if j > i:
-        return
-    ri = i * BLOCK + tl.arange(0, BLOCK)
-    rj = j * BLOCK + tl.arange(0, BLOCK)
+def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+    """``Σₖ L[ri, k]·R[k, rj]`` in float32 (``L``: ``rows × inner``, ``R``: ``inner × cols``,
+    both through their strides; rows and columns beyond the ends read as 0)."""
     rk = tl.arange(0, BLOCK_K)
-    Y += k * y_b
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for start in range(0, inner, BLOCK_K):
         kk = start + rk
-        left = tl.load(Y + ri[:, None] * y_r + kk[None, :] * y_c,
+        left = tl.load(L + ri[:, None] * l_r + kk[None, :] * l_c,
                        mask=(ri[:, None] < rows) & (kk[None, :] < inner), other=0.0)
-        right = tl.load(Y + rj[None, :] * y_r + kk[:, None] * y_c,
-                        mask=(rj[None, :] < rows) & (kk[:, None] < inner), other=0.0)
+        right = tl.load(R + kk[:, None] * r_r + rj[None, :] * r_c,
+                        mask=(kk[:, None] < inner) & (rj[None, :] < cols), other=0.0)
         if EMULATED:
             left, right = left.to(tl.float32), right.to(tl.float32)
         acc = tl.dot(left, right, acc, input_precision=PRECISION)
-    _store_symmetric(A + k * a_b, _cast(acc, A.dtype.element_ty, EMULATED), ri, rj, rows, a_r,
-                     a_c)
+    return acc
 
 
 @triton.jit
-def _poly_kernel(A, B, rows, a_b, a_r, a_c, b_b, b_r, b_c, coef_b, coef_c,
-                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATED: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """``B[k] = b·A[k] + c·A[k]·A[k]`` for symmetric ``A``: one triangle of tiles, mirrored."""
+def _symmetric_kernel(L, Out, rows, inner, l_b, l_r, l_c, r_r, r_c, o_b, o_r, o_c, coef_b, coef_c,
+                      POLYNOMIAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+    """A symmetric product per matrix ``k``, tile ``(i, j)`` for ``i ≥ j`` only, stored at
+    ``(i, j)`` and ``(j, i)``: ``Out = L·Lᵀ`` (the Gram matrix; ``Lᵀ`` is ``L`` read with its
+    strides ``(r_r, r_c)`` swapped), or with ``POLYNOMIAL`` ``Out = b·L + c·L·L`` for a symmetric
+    ``L`` (the polynomial of a Newton–Schulz step)."""
     i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if j > i:
         return
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
-    rk = tl.arange(0, BLOCK_K)
-    A += k * a_b
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for start in range(0, rows, BLOCK_K):
-        kk = start + rk
-        left = tl.load(A + ri[:, None] * a_r + kk[None, :] * a_c,
-                       mask=(ri[:, None] < rows) & (kk[None, :] < rows), other=0.0)
-        right = tl.load(A + kk[:, None] * a_r + rj[None, :] * a_c,
-                        mask=(kk[:, None] < rows) & (rj[None, :] < rows), other=0.0)
-        if EMULATED:
-            left, right = left.to(tl.float32), right.to(tl.float32)
-        acc = tl.dot(left, right, acc, input_precision=PRECISION)
-    mask = (ri[:, None] < rows) & (rj[None, :] < rows)
-    here = tl.load(A + ri[:, None] * a_r + rj[None, :] * a_c, mask=mask, other=0.0)
-    out = coef_b * here.to(tl.float32) + coef_c * acc
-    _store_symmetric(B + k * b_b, _cast(out, B.dtype.element_ty, EMULATED), ri, rj, rows, b_r,
-                     b_c)
+    L += k * l_b
+    out = _tile_product(L, l_r, l_c, L, r_r, r_c, ri, rj, rows, rows, inner, BLOCK, BLOCK_K,
+                        EMULATED, PRECISION)
+    if POLYNOMIAL:
+        here = tl.load(L + ri[:, None] * l_r + rj[None, :] * l_c,
+                       mask=(ri[:, None] < rows) & (rj[None, :] < rows), other=0.0)
+        out = coef_b * here.to(tl.float32) + coef_c * out
+    _store_symmetric(Out + k * o_b, _cast(out, Out.dtype.element_ty, EMULATED), ri, rj, rows,
+                     o_r, o_c)
 
 
 @triton.jit
@@ -118,19 +105,9 @@ def _apply_kernel(Y, B, Z, rows, cols, y_b, y_r, y_c, b_b, b_r, b_c, z_b, z_r, z
     i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
-    rk = tl.arange(0, BLOCK_K)
     Y += k * y_b
-    B += k * b_b
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for start in range(0, rows, BLOCK_K):
-        kk = start + rk
-        left = tl.load(B + ri[:, None] * b_r + kk[None, :] * b_c,
-                       mask=(ri[:, None] < rows) & (kk[None, :] < rows), other=0.0)
-        right = tl.load(Y + kk[:, None] * y_r + rj[None, :] * y_c,
-                        mask=(kk[:, None] < rows) & (rj[None, :] < cols), other=0.0)
-        if EMULATED:
-            left, right = left.to(tl.float32), right.to(tl.float32)
-        acc = tl.dot(left, right, acc, input_precision=PRECISION)
+    acc = _tile_product(B + k * b_b, b_r, b_c, Y, y_r, y_c, ri, rj, rows, cols, rows, BLOCK,
+                        BLOCK_K, EMULATED, PRECISION)
     mask = (ri[:, None] < rows) & (rj[None, :] < cols)
     here = tl.load(Y + ri[:, None] * y_r + rj[None, :] * y_c, mask=mask, other=0.0)
     out = coef_a * here.to(tl.float32) + acc
@@ -142,7 +119,7 @@ def _interpreted() -> bool:
     """Whether Triton's interpreter runs these kernels (``TRITON_INTERPRET=1`` at import)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_gram_kernel, InterpretedFunction)
+    return isinstance(_symmetric_kernel, InterpretedFunction)
 
 
 def check_tensor(X: Tensor) -> None:
@@ -175,8 +152,9 @@ def symmetric_gram(Y: Tensor, out: Tensor) -> Tensor:
     """``out[k] = Y[k]·Y[k]ᵀ`` for a stack ``Y`` ``(k, r, c)`` of any strides."""
     k, rows, inner = Y.shape
     tiles = triton.cdiv(rows, BLOCK)
-    _gram_kernel[(tiles, tiles, k)](Y, out, rows, inner, *Y.stride(), *out.stride(),
-                                    **_options(Y))
+    _symmetric_kernel[(tiles, tiles, k)](Y, out, rows, inner, *Y.stride(), Y.stride(2),
+                                         Y.stride(1), *out.stride(), 0.0, 0.0, POLYNOMIAL=False,
+                                         **_options(Y))
     return out
 
 
@@ -184,8 +162,9 @@ def symmetric_polynomial(A: Tensor, b: float, c: float, out: Tensor) -> Tensor:
     """``out[k] = b·A[k] + c·A[k]·A[k]`` for a stack of symmetric matrices."""
     k, rows, _ = A.shape
     tiles = triton.cdiv(rows, BLOCK)
-    _poly_kernel[(tiles, tiles, k)](A, out, rows, *A.stride(), *out.stride(), b, c,
-                                    **_options(A))
+    _symmetric_kernel[(tiles, tiles, k)](A, out, rows, rows, *A.stride(), A.stride(1),
+                                         A.stride(2), *out.stride(), b, c, POLYNOMIAL=True,
+                                         **_options(A))
     return out
 
 
