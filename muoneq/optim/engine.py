@@ -411,8 +411,10 @@ class Chunk:
     are in the parameters' dtype, else from ``stack`` after a copy: ``targets`` and
     ``sources[i]`` (``i`` = 0: views of ``final``, 1: of ``stack``) are the lists of the
     foreach update; ``writebacks`` the ``(stored-layout block, (from final, from stack))``
-    copies of staged banks' directions, and ``completes`` the ``(params, directions, a)`` of
-    the banks whose directions are all in their stored layout after this chunk.
+    copies of staged banks' directions, and ``completes`` the ``(params, directions)`` of the
+    banks whose directions are all in their stored layout after this chunk (their blocks have
+    the chunk's shape, and so its ``a``). ``step`` holds ``−a·η`` when ``η`` is a tensor
+    (``capturable``).
     """
 
     shape: tuple[int, int]
