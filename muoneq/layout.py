@@ -139,6 +139,21 @@ class MatrixLayout:
         return [oriented[b, start : start + rows].reshape(rows, n).contiguous()
                 for b in range(self.count) for start, rows in self._row_ranges()]
 
+    @property
+    def uniform(self) -> bool:
+        """Every block has the same shape (and so the same shape factor ``a``)."""
+        return len(set(self.rows)) == 1
+
+    def stacked_blocks(self, bank: Tensor) -> list[Tensor]:
+        """The blocks of ``k`` parameters of this layout stacked as ``bank`` (``(k, *stored)``,
+        contiguous), as views, one per split: ``(k·count, rows, in, k…)``, outputs first (strided
+        when transposed); flattened, each is a stack of ``(rows, n)`` matrices, parameters
+        first, then experts."""
+        view = bank.view(bank.shape[0] * self.count, *self.stored[self.batch_dims :])
+        if self.transposed:
+            view = view.transpose(1, 2)
+        return [view[:, start : start + rows] for start, rows in self._row_ranges()]
+
     def stored_view(self, direction: Tensor) -> Tensor:
         """The direction of a one-block layout, ``(out, n)``, as a view in the stored layout."""
         view = direction.reshape(self.count, *self._core)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -150,9 +151,20 @@ def resolve_schedule(spec, ns_steps: int) -> NSSchedule:
     return NSSchedule(spec)
 
 
-#: ``ns_dtype="auto"``: float32 on CPU (no faster in bf16 there, and more accurate), bfloat16 on
-#: accelerators (CUDA, NPU, …), the paper's setting.
+#: ``ns_dtype="auto"``: bfloat16 on accelerators (CUDA, NPU, …), the paper's setting, and on a
+#: CPU whose matrix units multiply bf16 natively (:func:`cpu_has_native_bf16`: there a bf16
+#: matmul runs at twice float32's rate); float32 on other CPUs, which emulate bf16 products
+#: (~40× slower than float32) — and float32 is the more accurate.
 AUTO_DTYPE = "auto"
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX tiles, as torch's CPU
+    probes report them (``torch.backends.cpu.get_cpu_capability()`` names the vector width
+    only: ``"AVX512"`` with or without them)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, bool)() for probe in probes)
 
 
 def dtype_name(dtype) -> str:
@@ -170,7 +182,8 @@ def dtype_name(dtype) -> str:
 def resolve_dtype(dtype, device: torch.device | str | None = None, *,
                   allow_auto: bool | None = None) -> torch.dtype:
     """Accept a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, …); ``"auto"`` is
-    float32 on a CPU ``device`` and bfloat16 on any other (it needs the ``device``)."""
+    bfloat16 on an accelerator ``device`` and on a CPU with native bf16 products, float32 on
+    other CPUs (:data:`AUTO_DTYPE`; it needs the ``device``)."""
     allow_auto = device is not None if allow_auto is None else allow_auto
     allowed = ", ".join([AUTO_DTYPE, *DTYPES] if allow_auto else DTYPES)
     if isinstance(dtype, torch.dtype):
@@ -178,7 +191,8 @@ def resolve_dtype(dtype, device: torch.device | str | None = None, *,
             raise ValueError(f"ns_dtype: {dtype} is not allowed; allowed: {allowed}")
         return dtype
     if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE and device is not None:
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        cpu = torch.device(device).type == "cpu"
+        return torch.float32 if cpu and not cpu_has_native_bf16() else torch.bfloat16
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"ns_dtype: unknown dtype {dtype!r}; allowed: {allowed}")
@@ -220,6 +234,31 @@ def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, out: Tensor |
     return _addmm(X, B, X, beta=a, out=out)
 
 
+def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
+                  poly: Tensor) -> Tensor:
+    """Newton–Schulz steps on a normalized stack ``X`` ``(k, m, n)``, three batched products
+    per step, in persistent buffers: the iterate alternates between ``X`` and ``other``, the
+    ``(k, s, s)`` Gram matrix and polynomial (``s = min(m, n)``) live in ``gram`` and ``poly``.
+
+    Tall matrices stay tall: ``A = XᵀX`` and ``X ← a·X + X·B`` are the wide iteration of
+    ``Xᵀ`` transposed, with no transposed copy. Returns the buffer holding the last iterate.
+    """
+    tall = X.size(-2) > X.size(-1)
+    (current, current_t), (following, following_t) = ((X, X.mT), (other, other.mT))
+    for a, b, c in coefficients:
+        if tall:
+            torch.bmm(current_t, current, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.baddbmm(current, current, poly, beta=a, out=following)
+        else:
+            torch.bmm(current, current_t, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.baddbmm(current, poly, current, beta=a, out=following)
+        (current, current_t), (following, following_t) = ((following, following_t),
+                                                          (current, current_t))
+    return current
+
+
 def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
            out: Tensor | None = None) -> Tensor:
     """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
@@ -253,37 +292,159 @@ def newton_schulz(
 
 def orthogonalizer(steps: int = 5, coefficients="quintic", dtype: torch.dtype | str = AUTO_DTYPE,
                    algorithm: str = "standard", *, device: torch.device | str | None = None,
-                   run: Callable[..., Tensor] | None = None) -> Callable[..., Tensor]:
+                   run: Callable[..., Tensor] | None = None,
+                   backend: str | Callable = "torch") -> Callable[..., Tensor]:
     """``NS_K`` with its settings validated once: ``orthogonalize(G, workspace=None)`` is
     :func:`run_schedule` (or ``run``, e.g. its ``torch.compile``'d form) with the resolved
-    schedule, dtype (``"auto"`` for ``device``) and evaluation order. The one entry to
-    Newton–Schulz of :func:`newton_schulz` and of every optimizer here (once per param group,
-    not per matrix)."""
+    schedule, dtype (``"auto"`` for ``device``), evaluation order and backend (one matrix at
+    a time, ``"auto"`` is ``"torch"``). The one entry to Newton–Schulz of :func:`newton_schulz`
+    and of every optimizer here (once per param group, not per matrix)."""
     schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
+    backend = canonical_backend(backend)
     return functools.partial(run or run_schedule, schedule=schedule,
                              dtype=resolve_dtype(dtype, device),
-                             algorithm=canonical_algorithm(algorithm))
+                             algorithm=canonical_algorithm(algorithm),
+                             iterate=None if backend in ("torch", "auto") else
+                             backend_iteration(backend))
 
 
 def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
-                 workspace: Workspace | None = None, algorithm: str = "standard") -> Tensor:
+                 workspace: Workspace | None = None, algorithm: str = "standard",
+                 iterate: Callable[..., Tensor] | None = None) -> Tensor:
     """The iteration of :func:`newton_schulz` for a resolved schedule (no validation).
 
     Free of Python-side caches, so ``torch.compile`` can trace it (``MuonEq(compile=True)``).
     With a ``workspace`` a matrix is iterated in its reused buffers (``G`` itself is normalized
     in place when it already has ``dtype``): the result is valid until the workspace's next
     Newton–Schulz call. ``algorithm="gram"`` switches to :func:`gram_iterate` where that needs
-    fewer FLOPs (canonical name expected).
+    fewer FLOPs (canonical name expected); otherwise ``iterate`` (a backend's stacked iteration,
+    :func:`backend_iteration`) runs the steps, or, by default, torch.optim.Muon's operations.
     """
     X, transposed = _normalized_wide(G, dtype, schedule.norm_scale, in_place=workspace is not None)
     steps = schedule.steps
     if algorithm == "gram" and ns_flops(X.shape, steps, "gram") < ns_flops(X.shape, steps):
         X = gram_iterate(X, schedule.coefficients, workspace)
+    elif iterate is not None:
+        X = _iterate_as_stack(X, schedule.coefficients, iterate, workspace)
     else:
         buffers = workspace is not None and X.ndim == 2
         for k, (a, b, c) in enumerate(schedule.coefficients):
             X = newton_schulz_step(X, a, b, c, **(_buffers(workspace, X, k) if buffers else {}))
     return X.mT if transposed else X
+
+
+def _iterate_as_stack(X: Tensor, coefficients, iterate: Callable[..., Tensor],
+                      workspace: Workspace | None) -> Tensor:
+    """A backend's stacked iteration on a normalized matrix or batch ``X`` (as one stack)."""
+    stack = X.reshape(-1, *X.shape[-2:])
+    small = min(stack.shape[-2:])
+    shapes = {"ns_x1": stack.shape, "ns_gram": (stack.shape[0], small, small),
+              "ns_poly": (stack.shape[0], small, small)}
+    buffers = {name: torch.empty(shape, dtype=X.dtype, device=X.device) if workspace is None
+               else workspace.take(name, shape, X.dtype, X.device)
+               for name, shape in shapes.items()}
+    found = iterate(stack, coefficients, other=buffers["ns_x1"], gram=buffers["ns_gram"],
+                    poly=buffers["ns_poly"])
+    return found.reshape(X.shape)
+
+
+#: ``ns_backend``: who runs the Newton–Schulz products. ``"torch"``: batched torch matmuls
+#: (torch.optim.Muon's operations one matrix at a time); ``"triton"``: this project's kernels
+#: (:mod:`muoneq.ns_triton`: symmetric products computed as one triangle, the polynomial and
+#: its application fused); ``"auto"``: on a GPU, per stack shape, whichever of the two a one-off
+#: timing finds faster (Triton only when it also agrees with torch), torch elsewhere. A callable
+#: ``backend(X, coefficients) -> Tensor`` runs them itself: ``X`` a normalized stack
+#: ``(k, m, n)`` in the NS dtype (wide or tall), ``coefficients`` the per-step ``(a, b, c)``;
+#: it returns the last iterate, of ``X``'s shape.
+NS_BACKENDS = ("torch", "triton", "auto")
+
+
+def canonical_backend(backend):
+    """Validate an ``ns_backend`` value: a name of :data:`NS_BACKENDS` (case-insensitive) or a
+    callable."""
+    if callable(backend):
+        return backend
+    if isinstance(backend, str) and backend.lower() in NS_BACKENDS:
+        return backend.lower()
+    raise ValueError(
+        f"ns_backend: unknown value {backend!r}; allowed: {', '.join(NS_BACKENDS)}, or a "
+        "callable backend(X, coefficients) -> Tensor"
+    )
+
+
+def backend_iteration(backend) -> Callable[..., Tensor]:
+    """The stacked iteration of a backend other than ``"auto"``, with the signature of
+    :func:`iterate_stack` (``iterate(X, coefficients, *, other, gram, poly)``)."""
+    if backend == "torch":
+        return iterate_stack
+    if backend == "triton":
+        from muoneq import ns_triton
+
+        return ns_triton.iterate_stack
+
+    def iterate(X: Tensor, coefficients, **buffers) -> Tensor:
+        found = backend(X, coefficients)
+        if not isinstance(found, Tensor) or found.shape != X.shape:
+            raise ValueError(
+                f"ns_backend: the callable returned "
+                f"{tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__}"
+                f" for a stack of shape {tuple(X.shape)}; it must return the last iterate, "
+                "of the same shape"
+            )
+        return found
+
+    return iterate
+
+
+def fastest_iteration(candidates: dict[str, Callable[..., Tensor]], X: Tensor, coefficients, *,
+                      other: Tensor, gram: Tensor, poly: Tensor, repeats: int = 5,
+                      time_of: Callable[[Callable[[], object]], float] | None = None) -> str:
+    """``ns_backend="auto"`` on one stack shape: the name of the candidate whose iteration of a
+    random normalized stack in ``X``'s buffers is fastest (median of ``repeats`` timings after a
+    warm-up) among those that agree with ``candidates["torch"]`` (relative difference at most
+    :data:`AGREEMENT` of the dtype); ties go to ``"torch"``, which is never slower than itself.
+    ``time_of(run)`` times one run (default: wall clock, device synchronized)."""
+    time_of = time_of or _wall_time
+    gen = torch.Generator(device=X.device).manual_seed(0)
+    probe = torch.randn(X.shape, generator=gen, device=X.device, dtype=torch.float32)
+    probe /= probe.norm(dim=(-2, -1), keepdim=True)
+    buffers = {"other": other, "gram": gram, "poly": poly}
+
+    def run(fn: Callable[..., Tensor]) -> Tensor:
+        X.copy_(probe)
+        return fn(X, coefficients, **buffers)
+
+    def timed(fn: Callable[..., Tensor]) -> float:
+        return sorted(time_of(lambda: run(fn)) for _ in range(repeats))[repeats // 2]
+
+    reference = run(candidates["torch"]).float().clone()  # also the warm-up
+    best, best_time = "torch", timed(candidates["torch"])
+    for name, fn in candidates.items():
+        if name == "torch":
+            continue
+        found = run(fn).float()  # the warm-up (compilation, caches), and its agreement
+        if (found - reference).norm() > AGREEMENT[X.dtype] * reference.norm():
+            continue
+        elapsed = timed(fn)
+        if elapsed < best_time:
+            best, best_time = name, elapsed
+    return best
+
+
+#: The most two backends' Newton–Schulz results may differ (relative Frobenius distance) and
+#: still count as the same computation in that dtype: a few units of its rounding, amplified
+#: by the iteration (broken kernels differ by order 1).
+AGREEMENT = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4,
+             torch.float64: 1e-10}
+
+
+def _wall_time(fn: Callable[[], object]) -> float:
+    device_sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    device_sync()
+    start = time.perf_counter()
+    fn()
+    device_sync()
+    return time.perf_counter() - start
 
 
 def newton_schulz_iterates(
@@ -413,12 +574,20 @@ class Workspace:
 
     def __init__(self) -> None:
         self._flat: dict[tuple, Tensor] = {}
+        self._reserved: dict[tuple, int] = {}
+
+    def reserve(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> None:
+        """Announce a later :meth:`take`: the first take of ``name`` allocates the largest size
+        reserved, so that views taken one after another stay views of one buffer."""
+        key = (name, dtype, torch.device(device))
+        self._reserved[key] = max(self._reserved.get(key, 0), math.prod(shape))
 
     def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
         key, size = (name, dtype, torch.device(device)), math.prod(shape)
         flat = self._flat.get(key)
         if flat is None or flat.numel() < size:
-            flat = self._flat[key] = torch.empty(size, dtype=dtype, device=device)
+            size_now = max(size, self._reserved.get(key, 0))
+            flat = self._flat[key] = torch.empty(size_now, dtype=dtype, device=device)
         return flat[:size].view(shape)
 
     @property

@@ -22,7 +22,7 @@ from torch import nn
 
 from muoneq import MuonEq
 from muoneq.newton_schulz import ns_flops
-from muoneq.optim import Mousse, NorMuon
+from muoneq.optim import Mousse, MuonPlus, NorMuon
 from muoneq.optim.executors import balance, shard_rows
 from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
 
@@ -30,6 +30,8 @@ WORLD = 2
 STEPS = 3
 #: Methods with state of their own (they override only ``_direction``): never split.
 STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
+#: Methods other than MuonEq whose direction depends on ``M̃`` alone: split like MuonEq.
+STATELESS = {"muon_plus": MuonPlus}
 TOLERANCE = 1e-6
 #: on the path of the Lightning script's process, which imports this module as ``tests.…``
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +72,8 @@ def build(kind: str, model: nn.Module, **options):
     hparams = {"lr": 0.05, "weight_decay": 0.1}
     if kind in STATEFUL:
         return STATEFUL[kind](groups(model), **hparams)
+    if kind in STATELESS:
+        return STATELESS[kind](groups(model), ns_dtype=torch.float32, **hparams, **options)
     mode, _, batching = kind.partition("/")
     return MuonEq(groups(model), mode=mode, ns_dtype=torch.float32,
                   batching=batching or "auto", **hparams, **options)
@@ -127,9 +131,10 @@ class CountingMuonEq(MuonEq):
         return super()._direction(p, m_tilde, state, group)
 
 
-#: (optimizer, distributed=): MuonEq split or not, and NorMuon (stateful: never split)
+#: (optimizer, distributed=): MuonEq split or not, Muon+ split, and NorMuon (stateful: never
+#: split)
 DDP_CASES = [("R", "auto"), ("R", False), ("none", "auto"), ("RC/stacked", "auto"),
-             ("normuon", "auto")]
+             ("muon_plus", "auto"), ("normuon", "auto")]
 
 
 def ddp_worker(rank: int, world: int) -> dict:

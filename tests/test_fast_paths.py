@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, diag_pre
+from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.optim import HybridOrthogonalOptimizer, NorMuon, executors
 
 MODES = ["none", "R", "C", "RC"]
@@ -200,11 +201,14 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert result["device"] and result["quick"]
     data = result["sets"]["gpt2_small"]
     names = set(data["contenders"])
-    assert {"torch.optim.Muon", "Muon (ours)", "MuonEq-R", "MuonEq-R (bfloat16)", "MuonEq-C",
+    # the default ns_dtype="auto" (float32 on this CPU, or bf16 where it multiplies bf16
+    # natively); a row measures the other dtype
+    auto = dtype_name(resolve_dtype("auto", "cpu"))
+    other = "bfloat16" if auto == "float32" else "float32"
+    assert {"torch.optim.Muon", "Muon (ours)", "MuonEq-R", f"MuonEq-R ({other})", "MuonEq-C",
             "MuonEq-RC", "MuonEq-R (gram)", "paper loop (R)"} <= names
-    # the default ns_dtype="auto" is float32 on a CPU; the bf16 row measures the other dtype
-    assert data["contenders"]["MuonEq-R"]["ns_dtype"] == "float32"
-    assert data["contenders"]["MuonEq-R (bfloat16)"]["ns_dtype"] == "bfloat16"
+    assert data["contenders"]["MuonEq-R"]["ns_dtype"] == auto
+    assert data["contenders"][f"MuonEq-R ({other})"]["ns_dtype"] == other
     for row in data["contenders"].values():
         assert row["ms"] > 0 and row["gflops"] > 0 and row["peak_extra_mb"] >= 0
         assert 0 < row["err_gaussian"] < 0.1 and 0 < row["err_decay"] < 0.5
@@ -215,4 +219,4 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert ours["err_gaussian"] == torch_row["err_gaussian"]
     assert ours["state_bytes"] == torch_row["state_bytes"]
     assert all(d["within_bound"] for d in data["ddp_split"].values())
-    assert "| MuonEq-R | float32 |" in capsys.readouterr().out
+    assert f"| MuonEq-R | {auto} |" in capsys.readouterr().out

@@ -94,3 +94,32 @@ def test_stored_layouts_on_cuda_update_each_block_as_a_separate_linear(case):
 
     assert torch.equal(run_stored(case, make, device="cuda"),
                        run_separate(case, make, device="cuda"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_triton_backends_on_cuda_step_as_torchs_within_bf16_rounding(backend):
+    pytest.importorskip("triton")
+
+    def make(backend):
+        return lambda ps: MuonEq(ps, lr=0.02, mode="R", ns_backend=backend)
+
+    ours, theirs = steps_of(make(backend), "cuda"), steps_of(make("torch"), "cuda")
+    for a, b in zip(ours, theirs, strict=True):  # three steps of 0.02·0.2·√96 each
+        assert (a - b).abs().max() < 3 * 0.02 * 0.2 * 96**0.5 * 2e-2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_stacked_cuda_step_allocates_no_device_memory_after_the_first(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen).cuda()) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = MuonEq(params, lr=0.02, ns_backend=backend)
+    opt.step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before

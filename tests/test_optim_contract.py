@@ -22,7 +22,7 @@ import pickle
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -98,11 +98,22 @@ def _registry_case(name: str, path: str, **hparams) -> Case:
                 supports_complex=complex_ok)
 
 
+def _stacked_case(name: str, **hparams) -> Case:
+    """A registered optimizer on its stacked path, every optimizer the tests build from it
+    included."""
+    case = _registry_case(name, "matrix", **hparams)
+    return replace(case, id=case.id.replace("-matrix", "-batching=stacked-matrix"),
+                   factory=lambda p, **kw: build_optimizer(name, p, batching="stacked", **kw))
+
+
 HYBRID = [name for name, spec in OPTIMIZERS.items() if spec.hybrid]
 CASES = [
     *[_registry_case(name, path) for name in HYBRID for path in ("matrix", "adamw")],
     *[_registry_case("muoneq_nes", "matrix", mode=mode) for mode in ("C", "RC")],
     _registry_case("muoneq_nes", "matrix", ns_algorithm="gram"),
+    # the planned stacked path (the accelerator default), on CPU
+    *[_stacked_case(name) for name in ("muon", "muoneq_nes", "normuon", "muon_plus")],
+    _stacked_case("muoneq_nes", mode="RC"),
     _registry_case("mars_adamw", "all"),
     _registry_case("mars_adamw", "all", optimize_1d=True),
     Case("sgd-momentum=0.9-all", lambda p, **kw: build_optimizer("sgd", p, **kw), "all",
@@ -404,6 +415,8 @@ def test_sparse_gradients_raise_unless_supported(case):
 @pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable", "maximize"])
 def test_unsupported_torch_flags_raise(case, flag):
     weight, bias = weight_bias()
+    if flag in inspect.signature(type(case.make([weight]))).parameters:
+        pytest.skip(f"{flag} is supported (tests/test_capturable.py)")
     with pytest.raises(TypeError, match=flag):
         case.make([weight, bias], **{flag: True})
     with pytest.raises(ValueError, match=f"{flag}.*not supported"):

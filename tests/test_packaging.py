@@ -101,15 +101,18 @@ def test_the_library_never_imports_the_suite():
     """The import rule of the two layers: a module of muoneq/ outside muoneq/suite/ imports the
     standard library, torch, numpy and the library only, and imports nothing by name at run time
     (so that this check sees every import). ``muoneq/__main__.py`` is the ``python -m muoneq``
-    entry point of the suite's command: run, never imported by the library."""
+    entry point of the suite's command: run, never imported by the library. The Triton kernels
+    (``muoneq/ns_triton.py``, imported only for ``ns_backend="triton"``/``"auto"``) also import
+    triton, which torch's Linux wheels bring."""
     library = [p for p in (ROOT / "muoneq").rglob("*.py")
                if p.relative_to(ROOT / "muoneq").parts[0] != "suite" and p.name != "__main__.py"]
     assert len(library) >= 20
     allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "muoneq"}
     for path in library:
+        own = allowed | ({"triton"} if path.name == "ns_triton.py" else set())
         for name in imported_modules(path):
             where = f"{path.relative_to(ROOT)} imports {name}"
-            assert name.partition(".")[0] in allowed, where + ": the library needs torch only"
+            assert name.partition(".")[0] in own, where + ": the library needs torch only"
             assert not name.startswith("muoneq.suite"), where + ": the library never imports " \
                                                                 "the suite"
         text = path.read_text()

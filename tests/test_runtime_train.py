@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
 from muoneq.suite.runtime.metrics import TEXT_KEYS, metric_keys
@@ -170,7 +171,8 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
     assert len(written.provenance.git_commit or "") in (0, 40)
     assert written.provenance.world_size == 1 and len(written.provenance.fingerprint) == 16
     assert written.optimizer.ns_dtype == "auto"
-    assert written.provenance.resolved.ns_dtype == "float32"  # what auto is on a CPU
+    # what auto is on this CPU (float32, or bf16 where the CPU multiplies it natively)
+    assert written.provenance.resolved.ns_dtype == dtype_name(resolve_dtype("auto", "cpu"))
 
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()

@@ -94,6 +94,10 @@ class OptimizerBase(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._init_group(group)
+
+    def _init_group(self, group: dict) -> None:
+        """Create the state of a new group's parameters (:meth:`_init_state` for each)."""
         for p in group["params"]:
             self._init_state(p, group)
 
@@ -127,17 +131,27 @@ class OptimizerBase(torch.optim.Optimizer):
         """``(group, params with a gradient)`` for each group with any: state that was reset
         is created again, and a tensor ``lr`` is read once (the yielded group is then a copy)."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            for p in params:
-                if not self.state[p]:  # reset by the user, or loaded without it
-                    self._init_state(p, group)
-            if isinstance(group["lr"], Tensor):
-                group = {**group, "lr": scalar(group["lr"])}
-            yield group, params
+            prepared = self._group_to_step(group)
+            if prepared is not None:
+                yield prepared
+
+    def _group_to_step(self, group: dict) -> tuple[dict, list[Tensor]] | None:
+        """One group as :meth:`_groups_to_step` yields it, ``None`` when no parameter of it has
+        a gradient (a ``capturable`` group keeps a tensor ``lr``: it is read on the device)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return None
+        if any(p.grad.is_sparse for p in params):
+            raise self._sparse_error()
+        for p in params:
+            if not self.state[p]:  # reset by the user, or loaded without it
+                self._init_state(p, group)
+        if isinstance(group["lr"], Tensor) and not group.get("capturable"):
+            group = {**group, "lr": scalar(group["lr"])}
+        return group, params
+
+    def _sparse_error(self) -> RuntimeError:
+        return RuntimeError(f"{type(self).__name__} does not support sparse gradients")
 
     # ------------------------------------------------------------------ copies, loading
     def _reset_caches(self) -> None:

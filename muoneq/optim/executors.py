@@ -1,12 +1,11 @@
-"""Where each direction is computed when it is not computed here, one matrix after another:
-executors per layout, moving data only.
+"""Where each direction is computed when this process does not compute them all: executors
+per layout, moving data only.
 
-The optimizer (:class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`) updates the momentum
-and, on one process, hands every matrix to :func:`muoneq.functional.directions` itself (one
-matrix at a time, the CPU default, or stacks of same-shape matrices, the accelerator default).
-The other layouts go through an executor, which moves data around a :class:`GroupUpdate` (the
-group's settings and direction rule; the executors call the functions of
-:mod:`muoneq.functional`, never the optimizer):
+The optimizer (:class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`) steps a group on one
+process itself (:mod:`muoneq.optim.engine`: the planned stacks, or one matrix at a time). The
+other layouts go through an executor, which moves data around a
+:class:`~muoneq.optim.engine.GroupUpdate` (the group's settings and direction rule) and hands
+the matrices this rank owns to :func:`muoneq.optim.engine.directions`, never to the optimizer:
 
 * :func:`split_replicated` — replicated parameters under DDP: every matrix has one owner rank,
   balanced by FLOPs (:func:`balance`), and one ``all_gather`` gives every rank every
@@ -18,7 +17,7 @@ group's settings and direction rule; the executors call the functions of
   rank gathers whole matrices, computes every direction and keeps its rows.
 
 Every executor moves parameters in their stored layout and hands
-:func:`muoneq.functional.directions` whole stored tensors; it alone cuts them into the matrices
+:func:`~muoneq.optim.engine.directions` whole stored tensors; it alone cuts them into the matrices
 the method sees and writes the directions back in the stored layout
 (:class:`muoneq.layout.MatrixLayout`: transposed storage, expert banks, fused blocks), so each
 layout is right in every execution path.
@@ -34,87 +33,19 @@ from __future__ import annotations
 
 import heapq
 import math
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.functional import (
-    DirectionRule,
-    UpdateSettings,
-    apply_update,
-    directions,
-    momentum_input,
-)
-from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Workspace
+from muoneq.optim.engine import GroupUpdate, MatrixSlot, directions, is_dtensor, local
 
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
 STACK_ELEMENTS = 1 << 26
-
-
-@dataclass(eq=False)
-class MatrixSlot:
-    """One matrix parameter in one optimizer step, as this rank sees it.
-
-    ``value``, ``grad`` and ``momentum`` are the local tensors (a ``DTensor``'s local shard,
-    updated in place), in the stored layout; ``layout`` says which matrices the whole
-    parameter holds.
-    """
-
-    param: Tensor
-    value: Tensor
-    grad: Tensor
-    momentum: Tensor
-    layout: MatrixLayout
-
-
-@dataclass(frozen=True)
-class GroupUpdate:
-    """One param group's update this step, as the executors need it: the settings of lines
-    5–13, the rule of its directions (lines 11–12), the dtype directions travel in, and the
-    optimizer's scratch workspace. It holds no param group and no optimizer: the executors
-    call the functions of :mod:`muoneq.functional` on it."""
-
-    settings: UpdateSettings
-    rule: DirectionRule
-    #: dtype of the directions on the wire (the Newton–Schulz dtype: nothing rounds twice)
-    dtype: torch.dtype
-    workspace: Workspace
-
-    def m_tilde(self, slot: MatrixSlot) -> Tensor:
-        """This rank's ``M̃`` of a slot (lines 6–10, stored layout), in scratch that is valid
-        until the next call."""
-        g = slot.grad
-        return momentum_input(g, slot.momentum, self.settings,
-                              out=self.workspace.take("m_tilde", g.shape, g.dtype, g.device))
-
-    def whole_m_tilde(self, slot: MatrixSlot) -> Callable[[], Tensor]:
-        """``M̃`` of a replicated slot (its local tensor is the whole parameter)."""
-        return lambda: self.m_tilde(slot)
-
-    def apply(self, slot: MatrixSlot, direction: Tensor) -> None:
-        """Line 13 on this rank's part of a slot, ``direction`` in the stored layout."""
-        apply_update(slot.value, direction, slot.layout, self.settings,
-                     start=row_offset(slot.param), workspace=self.workspace)
-
-
-def is_dtensor(t) -> bool:
-    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (slow to
-    import): no DTensor can exist before that module is loaded."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def local(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a ``DTensor``'s local shard, any other tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def balance(costs: Sequence[float], world: int) -> list[int]:
@@ -298,7 +229,8 @@ def gather_row_shards(slots: Sequence[MatrixSlot], update: GroupUpdate, mesh_dim
     dist.all_to_all_single(mine_rows, back, send_counts, recv_counts, group=group)
     for i, s in enumerate(slots):
         start, size = send_at[i], sizes[i][rank]
-        update.apply(s, mine_rows[start : start + size].view(size // widths[i], widths[i]))
+        update.apply(s, mine_rows[start : start + size].view(size // widths[i], widths[i]),
+                     row_offset(s.param))
 
 
 def gather_whole(slots: Sequence[MatrixSlot], update: GroupUpdate) -> None:
@@ -318,7 +250,7 @@ def gather_whole(slots: Sequence[MatrixSlot], update: GroupUpdate) -> None:
                 local(state[k]).copy_(local_part(state[k], v))
             else:
                 state[k] = v
-        update.apply(s, local_part(p, s.layout.stored_view(direction)))
+        update.apply(s, local_part(p, s.layout.stored_view(direction)), row_offset(p))
 
 
 def _offsets(sizes, owners, rank, world):

@@ -12,11 +12,14 @@ One optimizer object serves a whole model. Each param group is either
 
 * or an AdamW group (``use_muon=False``): :func:`muoneq.optim.adamw.adamw_update`.
 
-The step runs the functional core as ``torch.optim.Muon.step`` runs ``muon()``: the
-momentum update (line 5, one foreach call), then :func:`muoneq.functional.directions` with the
-group's :class:`~muoneq.functional.UpdateSettings` and
-:class:`~muoneq.functional.DirectionRule` (lines 6–13), every method orthogonalizing through
-the group's validated Newton–Schulz (:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
+The step runs the engine (:mod:`muoneq.optim.engine`) on a plan made once: the matrix groups'
+momentum lives in banks (one tensor per stored shape, the state's buffers are views of it),
+and a group whose matrices are stacked (the accelerator default) is stepped as chunks of
+same-shape matrices, each a handful of batched operations (gather, prologue, Newton–Schulz,
+epilogue); otherwise, as ``torch.optim.Muon.step`` runs ``muon()``, the momentum update (line 5,
+one foreach call) then :func:`muoneq.optim.engine.directions` one matrix at a time (lines 6–13),
+every method orthogonalizing through the group's validated Newton–Schulz
+(:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
 
 A subclass declares its own hyper-parameters (:class:`~muoneq.optim.base.Hyper`), overrides
 :meth:`_direction`, and :meth:`_init_matrix_state` when it keeps state beyond the momentum.
@@ -34,15 +37,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muoneq.functional import LR_ADJUST, DirectionRule, UpdateSettings, directions
+from muoneq.functional import LR_ADJUST, UpdateSettings
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Workspace,
+    canonical_backend,
     dtype_name,
     normalize_coefficients,
     ns_flops,
@@ -53,8 +58,32 @@ from muoneq.newton_schulz import (
 from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
 from muoneq.optim.base import Hyper, OptimizerBase
-from muoneq.optim.checks import betas, boolean, choice, converted, decay, integer, nonnegative
-from muoneq.optim.executors import GroupUpdate, MatrixSlot, local, row_shard_dim
+from muoneq.optim.checks import (
+    betas,
+    boolean,
+    choice,
+    converted,
+    decay,
+    integer,
+    nonnegative,
+    scalar,
+)
+from muoneq.optim.engine import (
+    Chunk,
+    DirectionRule,
+    GroupPlan,
+    GroupUpdate,
+    MatrixSlot,
+    StackSettings,
+    StateShapes,
+    bank_state,
+    carve,
+    directions,
+    local,
+    plan_stacks,
+    step_stacks,
+)
+from muoneq.optim.executors import row_shard_dim
 
 BATCHING = ("auto", "per_matrix", "stacked")
 
@@ -97,7 +126,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
         "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
-        # "auto": float32 on CPU, bfloat16 on accelerators; one spelling in every group
+        # "auto": bf16 on accelerators and CPUs that multiply it natively, else float32; one
+        # spelling in every group
         "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
         "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
         "adamw_betas": Hyper((0.9, 0.95), betas),
@@ -116,6 +146,10 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
     #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
     stateless_direction: bool = False
+    #: State of a method's own kept per matrix in banks like the momentum (key → its shape for
+    #: a :class:`~muoneq.layout.MatrixLayout`; the parameters' dtype), so that the stacked
+    #: path's ``finish`` reads it stacked.
+    banked_state: ClassVar[StateShapes] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -123,7 +157,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             cls.stateless_direction = False
 
     def __init__(self, params, *, distributed: bool | str = "auto", batching: str = "auto",
-                 process_group=None, **hyperparameters):
+                 ns_backend: str | Callable = "torch", process_group=None, **hyperparameters):
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
@@ -132,23 +166,45 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             )
         self.distributed = distributed
         self.batching = batching
+        self.ns_backend = canonical_backend(ns_backend)
         self.process_group = process_group
         super().__init__(params, **hyperparameters)
+        if self.ns_backend == "triton":
+            self._check_triton()
 
     def _options(self) -> dict:
         return {"distributed": self.distributed, "batching": self.batching,
-                "process_group": self.process_group}
+                "ns_backend": self.ns_backend, "process_group": self.process_group}
+
+    def _check_triton(self) -> None:
+        """``ns_backend="triton"`` needs triton, and CUDA tensors (or Triton's interpreter)
+        and a Newton–Schulz dtype its kernels take, in every matrix group."""
+        try:
+            from muoneq import ns_triton
+        except ImportError:
+            raise ValueError("ns_backend='triton': triton is not installed "
+                             "(pip install triton), or use ns_backend='torch'") from None
+        for group in self.param_groups:
+            if group["use_muon"] and group["params"]:
+                device = group["params"][0].device
+                probe = torch.empty(0, dtype=resolve_dtype(group["ns_dtype"], device),
+                                    device=device)
+                ns_triton.check_tensor(probe)
 
     def _reset_caches(self) -> None:
         self._checked_same_gradients = False
         self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
+        self._stack_workspace = Workspace()  # buffers of the stacked path, one chunk's worth
         self._compiled = None  # a torch.compile'd run_schedule (MuonEq(compile=True))
         self._orthogonalizers: dict[tuple, Callable[..., Tensor]] = {}
+        self._plans: list[GroupPlan | None] = []  # one per param group (None: AdamW)
+        self._stacks: tuple[tuple, dict[int, tuple[StackSettings, list[Chunk]]]] | None = None
 
     @property
     def workspace_bytes(self) -> int:
-        """Scratch memory kept between steps (one matrix's temporaries; not optimizer state)."""
-        return self._workspace.nbytes
+        """Scratch memory kept between steps (the per-matrix path's temporaries, the stacked
+        path's buffers; not optimizer state)."""
+        return self._workspace.nbytes + self._stack_workspace.nbytes
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
@@ -185,17 +241,43 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                 )
 
     # ----------------------------------------------------------------- state
+    def _init_group(self, group: dict) -> None:
+        if not group["use_muon"]:
+            super()._init_group(group)
+        self._plans.append(self._plan_group(group) if group["use_muon"] else None)
+        self._stacks = None
+
+    def _plan_group(self, group: dict) -> GroupPlan:
+        """Bank the momentum of a matrix group (:mod:`muoneq.optim.engine`), creating the state
+        of every parameter that has none (new, reset, or loaded without it)."""
+        params = group["params"]
+        missing = [p for p in params if not self.state[p]]
+        layouts = [MatrixLayout.of(p, group) for p in params]
+        banks = bank_state(params, layouts, self.state, self.banked_state)
+        for p in missing:
+            self._init_state(p, group)
+        return GroupPlan.of(params, layouts, banks, self.state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; the loaded momentum is then copied
+        into this optimizer's banks (the given state dict is left as it was)."""
+        super().load_state_dict(state_dict)
+        self._plans = [self._plan_group(g) if g["use_muon"] else None for g in self.param_groups]
+        self._stacks = None
+
     def _init_state(self, p: Tensor, group: dict) -> None:
         if group["use_muon"]:
             self._init_matrix_state(p, self.state[p], group)
         else:
-            init_adamw_state(p, self.state[p])
+            init_adamw_state(p, self.state[p], capturable=group.get("capturable", False))
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         """Persistent state of a matrix parameter: one momentum buffer (as Muon), in the
         stored layout (state of a method's own is kept in the matrix view,
-        ``MatrixLayout.of(p, group).matrix``)."""
-        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        ``MatrixLayout.of(p, group).matrix``). Parameters of one stored shape share one
+        momentum tensor (a bank, :mod:`muoneq.optim.engine`); each holds a view of it."""
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     # ----------------------------------------------------------------- the update
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
@@ -223,7 +305,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         found = self._orthogonalizers.get(key)
         if found is None:
             found = self._orthogonalizers[key] = orthogonalizer(
-                *key[:4], device=device, run=self._compiled or run_schedule)
+                *key[:4], device=device, run=self._compiled or run_schedule,
+                backend=self.ns_backend)
         return found
 
     def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
@@ -238,42 +321,135 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         """One step: Algorithm 1 for every matrix group, AdamW for the others; ``closure`` is
         evaluated first, with gradients enabled, and its loss returned."""
         loss = self._evaluate(closure)
-        for group, params in self._groups_to_step():
-            if not group["use_muon"]:
+        stacks = self._planned()
+        for index, group in enumerate(self.param_groups):
+            if group["use_muon"]:
+                self._step_matrices(group, self._plans[index], stacks.get(index))
+                continue
+            prepared = self._group_to_step(group)
+            if prepared is not None:
+                group, params = prepared
                 beta1, beta2 = group["adamw_betas"]
                 adamw_update(params, [p.grad for p in params], [self.state[p] for p in params],
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
-                             weight_decay=group["weight_decay"])
-                continue
-            slots = [MatrixSlot(p, local(p), local(p.grad),
-                                local(self.state[p]["momentum_buffer"]), MatrixLayout.of(p, group))
-                     for p in params]
-            torch._foreach_lerp_([s.momentum for s in slots], [s.grad for s in slots],
-                                 1 - group["momentum"])  # line 5: M ← βM + (1−β)G
-            replicated = [s for s in slots if row_shard_dim(s.param) is None]
-            update = self._update(group, replicated or slots)
-            split = self._split_group() if replicated else None
-            if split is None:  # lines 6–13 for every matrix, on this process
-                directions([(s, update.whole_m_tilde(s)) for s in replicated], update.rule,
-                           update.apply)
-            else:
-                if not self._checked_same_gradients:
-                    executors.check_same_gradients(replicated, split)
-                    self._checked_same_gradients = True
-                executors.split_replicated(replicated, update, split,
-                                           self._costs(replicated, group))
-            self._step_row_shards([s for s in slots if row_shard_dim(s.param) is not None],
-                                  group)
+                             weight_decay=group["weight_decay"],
+                             capturable=group.get("capturable", False))
         return loss
 
-    def _update(self, group: dict, slots: list[MatrixSlot]) -> GroupUpdate:
-        """What the functional core and the executors need of ``group`` this step."""
-        device = slots[0].value.device
-        stacked = self.stateless_direction and (
-            self.batching == "stacked" or (self.batching == "auto" and device.type != "cpu"))
-        settings = UpdateSettings(lr=group["lr"], weight_decay=group["weight_decay"],
+    def _planned(self) -> dict[int, tuple[StackSettings, list[Chunk]]]:
+        """Check the plans (Python only: no tensor is touched unless something changed) and
+        return the stacks of the groups that take the stacked path, planned again when a
+        group, its state or a setting they depend on changed."""
+        plans = self._plans
+        if len(plans) != len(self.param_groups):
+            plans = self._plans = [None] * len(self.param_groups)
+        for index, group in enumerate(self.param_groups):
+            plan = plans[index]
+            if group["use_muon"] and (plan is None or
+                                      not plan.matches(group["params"], self.state)):
+                plans[index] = self._plan_group(group)
+                self._stacks = None
+        split = self._split_group()  # DDP: the executors split the matrices, no stacks here
+        wanted = tuple((index, self._stack_settings(group, plan))
+                       for index, (group, plan) in enumerate(zip(self.param_groups, plans,
+                                                                 strict=True))
+                       if plan is not None and plan.params and plan.replicated and split is None)
+        key = (wanted, executors.STACK_ELEMENTS)
+        if self._stacks is None or self._stacks[0] != key:
+            self._stack_workspace = Workspace()
+            stacks = {index: (settings, plan_stacks(plans[index], settings,
+                                                    executors.STACK_ELEMENTS,
+                                                    self._stack_workspace))
+                      for index, settings in wanted if settings is not None}
+            for settings, chunks in stacks.values():
+                carve(chunks, settings, self._stack_workspace)
+            self._stacks = (key, stacks)
+        return self._stacks[1]
+
+    @property
+    def planned_backends(self) -> dict[tuple[int, int], str]:
+        """The Newton–Schulz backend of each shape of matrices the stacked path steps, as
+        planned at the last step (``ns_backend="auto"`` chooses per shape)."""
+        stacks = {} if self._stacks is None else self._stacks[1]
+        return {chunk.shape: chunk.backend for _, chunks in stacks.values() for chunk in chunks}
+
+    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
+        """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where
+        it does not apply (the method's rule is one matrix at a time). A method whose rule is
+        DiagPre (or nothing), Newton–Schulz and a batched ``finish`` returns
+        :meth:`_stacked_settings` (MuonEq, Muon+, NorMuon)."""
+        return None
+
+    def _stacked_settings(self, group: dict, plan: GroupPlan, mode: str,
+                          finish: Callable | None = None) -> StackSettings | None:
+        """The stacked path's settings for a group whose matrices are stacked (``batching``),
+        with ``mode`` DiagPre before Newton–Schulz and ``finish`` after it; ``None`` for a
+        compiled Newton–Schulz (``compile=True`` runs the per-slot path)."""
+        device = plan.params[0].device
+        if self._compiled is not None or not self._stacked(device):
+            return None
+        orthogonalize = self._orthogonalizer(group, device)
+        return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
+                             orthogonalize.keywords["schedule"],
+                             group.get("ns_algorithm", "standard"), group["lr_adjust"],
+                             self.ns_backend, finish)
+
+    def _stacked(self, device: torch.device) -> bool:
+        """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""
+        return self.batching == "stacked" or (self.batching == "auto" and device.type != "cpu")
+
+    def _step_matrices(self, group: dict, plan: GroupPlan,
+                       stacks: tuple[StackSettings, list[Chunk]] | None) -> None:
+        """Lines 5–13 for a matrix group: planned stacks when every parameter has a gradient
+        and this process computes every matrix, else the per-slot path and the executors."""
+        grads = [p.grad for p in plan.params]
+        present = [g is not None for g in grads]
+        if not any(present):
+            return
+        if any(g.is_sparse for g in grads if g is not None):
+            raise self._sparse_error()
+        capturable = group.get("capturable", False)
+        settings = UpdateSettings(lr=group["lr"] if capturable else scalar(group["lr"]),
+                                  weight_decay=group["weight_decay"],
                                   momentum=group["momentum"], nesterov=group["nesterov"],
                                   lr_adjust=group["lr_adjust"])
+        if stacks is not None and all(present) and self._split_group() is None:
+            stack, chunks = stacks
+            step_stacks(plan, chunks, grads, settings, stack, eps=group.get("eps", 0.0),
+                        workspace=self._stack_workspace)
+            return
+        if capturable:
+            raise RuntimeError(
+                "capturable=True: this step cannot take the stacked path (it needs every "
+                "matrix of the group with a gradient, one process computing them all, plain "
+                "tensors, batching='stacked' or an accelerator); use capturable=False"
+            )
+        slots = [slot if slot is not None else
+                 MatrixSlot(p, local(p), local(self.state[p]["momentum_buffer"]), layout)
+                 for slot, p, layout, ok in zip(plan.slots, plan.params, plan.layouts, present,
+                                                strict=True) if ok]
+        torch._foreach_lerp_([s.momentum for s in slots], [s.grad for s in slots],
+                             1 - group["momentum"])  # line 5: M ← βM + (1−β)G
+        replicated = [s for s in slots if row_shard_dim(s.param) is None]
+        update = self._update(group, settings, replicated or slots)
+        split = self._split_group() if replicated else None
+        if split is None:  # lines 6–13 for every matrix, on this process
+            directions([(s, update.whole_m_tilde(s)) for s in replicated], update.rule,
+                       update.apply)
+        else:
+            if not self._checked_same_gradients:
+                executors.check_same_gradients(replicated, split)
+                self._checked_same_gradients = True
+            executors.split_replicated(replicated, update, split,
+                                       self._costs(replicated, group))
+        self._step_row_shards([s for s in slots if row_shard_dim(s.param) is not None],
+                              group, settings)
+
+    def _update(self, group: dict, settings: UpdateSettings,
+                slots: list[MatrixSlot]) -> GroupUpdate:
+        """What the per-slot path and the executors need of ``group`` this step."""
+        device = slots[0].value.device
+        stacked = self.stateless_direction and self._stacked(device)
         return GroupUpdate(settings, self._rule(group, device, stacked),
                            resolve_dtype(group["ns_dtype"], device), self._workspace)
 
@@ -296,14 +472,15 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         group = self.process_group or dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
 
-    def _step_row_shards(self, slots: list[MatrixSlot], group: dict) -> None:
+    def _step_row_shards(self, slots: list[MatrixSlot], group: dict,
+                         settings: UpdateSettings) -> None:
         """FSDP2: whole matrices gathered on an owner rank, or on every rank for methods with
         state of their own."""
         by_mesh: dict[tuple, list[MatrixSlot]] = {}
         for s in slots:
             by_mesh.setdefault((id(s.param.device_mesh), row_shard_dim(s.param)), []).append(s)
         for (_, dim), part in by_mesh.items():
-            update = self._update(group, part)
+            update = self._update(group, settings, part)
             if self.stateless_direction:
                 executors.gather_row_shards(part, update, dim, self._costs(part, group))
             else:

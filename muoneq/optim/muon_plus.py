@@ -7,6 +7,7 @@ from torch import Tensor
 
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import choice, nonnegative
+from muoneq.optim.engine import StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 #: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
@@ -20,11 +21,11 @@ def _unit_along(U: Tensor, dim: int, eps: float) -> Tensor:
 
 
 def _unit_columns(U: Tensor, eps: float) -> Tensor:
-    return _unit_along(U, 0, eps)
+    return _unit_along(U, -2, eps)
 
 
 def _unit_rows(U: Tensor, eps: float) -> Tensor:
-    return _unit_along(U, 1, eps)
+    return _unit_along(U, -1, eps)
 
 
 def _norm_mode_key(mode: str) -> str:
@@ -52,7 +53,8 @@ class MuonPlus(HybridOrthogonalOptimizer):
     rows) is the variant the MuonEq paper compares against and the default here. Muon+ keeps
     no state beyond Muon's momentum. The default shape factor is ``lr_adjust=
     "spectral_unclamped"``, ``a = √(fan_out/fan_in)``; ``ε = norm_eps`` (1e-8, the value of
-    the official configurations).
+    the official configurations). The direction depends on ``M̃`` alone, so Muon+ takes the
+    stacked path, the DDP split and fused blocks (``splits``) as MuonEq does.
 
     Args:
         norm_mode: the post-orthogonalization normalization (see above).
@@ -68,8 +70,21 @@ class MuonPlus(HybridOrthogonalOptimizer):
         "norm_eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
     }
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        U = self._orthogonalizer(group, m_tilde.device)(m_tilde)
+    #: The direction is a function of ``M̃`` alone and takes a stack: Muon+ splits between DDP
+    #: ranks and rides the stacked path like MuonEq.
+    stateless_direction = True
+
+    def _direction(self, p: Tensor | None, m_tilde: Tensor, state: dict | None,
+                   group: dict) -> Tensor:
+        return self._normalized(self._orthogonalizer(group, m_tilde.device)(m_tilde), group)
+
+    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
+        return self._stacked_settings(group, plan, "none",
+                                      lambda U, segments: self._normalized(U, group))
+
+    @staticmethod
+    def _normalized(U: Tensor, group: dict) -> Tensor:
+        """The normalizations of ``norm_mode`` (in float32 at least) of one ``U`` or a stack."""
         U = U.to(torch.promote_types(U.dtype, torch.float32))
         for normalize in _STEPS[group["norm_mode"]]:
             U = normalize(U, group["norm_eps"])

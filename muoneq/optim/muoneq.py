@@ -8,11 +8,12 @@ import math
 import torch
 from torch import Tensor
 
-from muoneq.functional import DirectionRule, canonical_mode, equilibrate
+from muoneq.functional import canonical_mode, equilibrate
 from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
 from muoneq.optim import executors
 from muoneq.optim.base import Hyper
-from muoneq.optim.checks import converted, nonnegative
+from muoneq.optim.checks import boolean, converted, nonnegative
+from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
@@ -47,8 +48,9 @@ class MuonEq(HybridOrthogonalOptimizer):
         ns_steps: Newton–Schulz steps ``K`` ≥ 1.
         ns_coefficients: ``"quintic"``, ``"taylor"``, ``"polar_express"``, ``(a, b, c)`` or a
             list of ``ns_steps`` tuples (see :mod:`muoneq.newton_schulz`).
-        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: float32 on CPU,
-            bfloat16 on accelerators), a ``torch.dtype`` or its name.
+        ns_dtype: dtype of the Newton–Schulz iteration: ``"auto"`` (default: bfloat16 on
+            accelerators and on CPUs with native bf16 products, float32 on other CPUs;
+            :data:`muoneq.newton_schulz.AUTO_DTYPE`), a ``torch.dtype`` or its name.
         weight_decay: decoupled weight decay ``λ`` (multiplied by the unscaled ``lr``).
         lr_adjust: ``"rms"`` (``0.2·√max(m,n)``), ``"spectral"`` (``√max(1, m/n)``),
             ``"spectral_unclamped"`` (``√(m/n)``) or ``"none"`` (1); see
@@ -66,6 +68,12 @@ class MuonEq(HybridOrthogonalOptimizer):
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
             or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
+        capturable: a step with no host synchronization, which a CUDA graph can capture
+            (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
+            device tensors, read on the device (change them in place between steps, as LR
+            schedulers do), AdamW's step counters live on the device; matrix groups take the
+            stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
+            matrix given a gradient.
         compile: run Newton–Schulz through ``torch.compile`` (opt-in; fuses the scaling and
             casts on GPU, rounds slightly differently from eager).
         process_group: the group to split replicated matrices over (default: the world).
@@ -76,8 +84,9 @@ class MuonEq(HybridOrthogonalOptimizer):
         "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
         "ns_algorithm": Hyper("standard", converted(canonical_algorithm), when="use_muon",
                               annotation=str),
+        "capturable": Hyper(False, boolean, annotation=bool),
     }
-    added_keys = {"ns_algorithm": "standard"}
+    added_keys = {"ns_algorithm": "standard", "capturable": False}
     stateless_direction = True
 
     def __init__(self, params, *, compile: bool = False, **hyperparameters):
@@ -89,6 +98,21 @@ class MuonEq(HybridOrthogonalOptimizer):
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
 
+    def _validate(self, group: dict) -> None:
+        super()._validate(group)
+        if not group["capturable"]:
+            return
+        devices = {p.device.type for p in group["params"]}
+        why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
+               "batching='stacked')" if group["use_muon"] and any(
+                   not self._stacked(torch.device(d)) for d in devices)
+               else "compile=True runs a compiled Newton–Schulz" if self.compile
+               else f"{type(self).__name__} replaces MuonEq's direction"
+               if type(self)._direction is not MuonEq._direction else None)
+        if why is not None:
+            raise ValueError(f"capturable: only MuonEq's stacked step is capturable, and {why}; "
+                             "use capturable=False")
+
     def _reset_caches(self) -> None:
         super()._reset_caches()
         self._compiled = torch.compile(run_schedule) if self.compile else None
@@ -98,7 +122,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
 
     def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
-        """Lines 11–12 as two stages the functional core runs itself, ``NS_K`` after
+        """Lines 11–12 as two stages the per-slot path runs itself, ``NS_K`` after
         :func:`~muoneq.functional.equilibrate` (a subclass that replaces :meth:`_direction`
         is called through it instead)."""
         if type(self)._direction is not MuonEq._direction:
@@ -109,6 +133,13 @@ class MuonEq(HybridOrthogonalOptimizer):
         return DirectionRule(orthogonalize, precondition, stacked=stacked,
                              stack_elements=executors.STACK_ELEMENTS,
                              workspace=None if self._compiled else self._workspace)
+
+    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
+        """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
+        subclass's own :meth:`_direction`, nor ``compile=True``'s Newton–Schulz)."""
+        if type(self)._direction is not MuonEq._direction:
+            return None
+        return self._stacked_settings(group, plan, group["mode"])
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
         """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack

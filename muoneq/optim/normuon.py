@@ -8,6 +8,7 @@ from torch import Tensor
 from muoneq.layout import MatrixLayout
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
+from muoneq.optim.engine import StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 
 
@@ -48,15 +49,34 @@ class NorMuon(HybridOrthogonalOptimizer):
         "eps": Hyper(1e-10, nonnegative, when="use_muon", annotation=float),
     }
 
+    #: the second moments are banked like the momentum: the stacked path reads them stacked
+    banked_state = {"second_moment": lambda layout: (layout.matrix[0], 1)}
+
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
-        state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
+        if "second_moment" not in state:  # a DTensor's (the banks hold the others')
+            state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        v = state["second_moment"]
-        eps = group["eps"]
         O = self._orthogonalizer(group, m_tilde.device)(m_tilde)
-        O = O.to(torch.promote_types(p.dtype, torch.float32))
-        v.lerp_(O.square().mean(dim=1, keepdim=True).to(v.dtype), 1 - group["beta2"])
+        return self._normalized(O, state["second_moment"], group, p.dtype)
+
+    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
+        def finish(O: Tensor, segments) -> Tensor:
+            dtype = segments[0].momentum.dtype
+            parts = [self._normalized(O[s.rows], s.state["second_moment"], group, dtype)
+                     for s in segments]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._stacked_settings(group, plan, "none", finish)
+
+    @staticmethod
+    def _normalized(O: Tensor, v: Tensor, group: dict, dtype: torch.dtype) -> Tensor:
+        """The second moment's update and the row normalization of one ``O`` (with its ``v``,
+        ``(m, 1)``) or a stack (``(k, m, 1)``), in float32 at least (``dtype``: the
+        parameters')."""
+        eps = group["eps"]
+        O = O.to(torch.promote_types(dtype, torch.float32))
+        v.lerp_(O.square().mean(dim=-1, keepdim=True).to(v.dtype), 1 - group["beta2"])
         normalized = O / (v.to(O.dtype).sqrt() + eps)
-        return normalized.mul_(O.norm() / (normalized.norm() + eps))
+        norms = (O.norm(dim=(-2, -1), keepdim=True), normalized.norm(dim=(-2, -1), keepdim=True))
+        return normalized.mul_(norms[0] / (norms[1] + eps))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -147,8 +148,9 @@ class Contender:
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
     """torch.optim.Muon and our Muon (both bf16: the same algorithm; bit for bit on the
     per-matrix path, the CPU default), MuonEq's modes and paths at the default
-    ``ns_dtype="auto"`` (float32 on CPU, bf16 on accelerators), MuonEq-R in the other dtype,
-    and the authors' loop (bf16)."""
+    ``ns_dtype="auto"`` (bf16 on accelerators and on CPUs with native bf16 products, float32 on
+    other CPUs), MuonEq-R in the other dtype, on a GPU also on this project's Triton kernels and
+    with ``ns_backend="auto"``, and the authors' loop (bf16)."""
     auto = dtype_name(resolve_dtype("auto", device))
     other_dtype = "bfloat16" if auto == "float32" else "float32"
 
@@ -172,6 +174,10 @@ def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
     ]
     other = "per_matrix" if device.type != "cpu" else "stacked"
     out.append(muoneq(f"MuonEq-R ({other})", "R", batching=other))
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        # this project's Triton kernels, and the per-shape choice of the faster backend
+        out += [muoneq(f"MuonEq-R ({backend})", "R", ns_backend=backend)
+                for backend in ("triton", "auto")]
     if compile_ns:
         out.append(muoneq("MuonEq-R (compiled)", "R", compile=True))
     return out
@@ -366,6 +372,9 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             "peak_extra_mb": (peak_extra_bytes(opts[c.name].step, device)
                               + getattr(opts[c.name], "workspace_bytes", 0)) / 2**20,
             "state_bytes": state_bytes(opts[c.name]),
+            # the Newton–Schulz backend each stacked shape ran on (ns_backend="auto" chooses)
+            "ns_backends": {f"{m}x{n}": name for (m, n), name in
+                            getattr(opts[c.name], "planned_backends", {}).items()},
             **acc[c.name],
             "times_ms": [x * 1e3 for x in t],
         }

@@ -87,7 +87,8 @@ def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) ->
 
 def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
     """What the config's ``auto`` values are on this machine: the dtype Newton–Schulz runs in
-    (``optimizer.ns_dtype=auto``: float32 on CPU, bfloat16 on accelerators)."""
+    (``optimizer.ns_dtype=auto``: bfloat16 on accelerators and on CPUs with native bf16
+    products, float32 on other CPUs)."""
     if "ns_dtype" not in cfg.optimizer:
         return {}
     dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)

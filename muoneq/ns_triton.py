@@ -1,0 +1,194 @@
+"""Newton–Schulz steps in this project's Triton kernels: ``ns_backend="triton"``.
+
+Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is three
+kernels, each one program per output tile and matrix:
+
+* :func:`_symmetric_kernel` — ``A = Y·Yᵀ`` for the wide view ``Y`` of each matrix (``X``
+  itself, or ``Xᵀ`` for a tall one, read through its strides: tall matrices stay tall in memory
+  and ``A`` is the small ``XᵀX``). ``A`` is symmetric: only the tiles on and below the diagonal
+  are computed, and their lower triangles stored twice, mirrored (``A`` exactly symmetric);
+* the same kernel, ``B = b·A + c·A·A`` fused (``A·A`` symmetric too: one triangle, mirrored);
+* :func:`_apply_kernel` — ``X' = a·Y + B·Y`` fused, written through the strides of the output
+  (tall again for a tall ``X``).
+
+Products accumulate in float32 (``tl.dot``), float32 inputs in IEEE precision (no TF32, as
+torch's default matmul), and each result is cast once to the stack's dtype, as cuBLAS does for
+``torch.baddbmm``: the two agree within the rounding of that dtype. The kernels launch on CUDA
+tensors; with ``TRITON_INTERPRET=1`` set before this module is imported, Triton's interpreter
+runs them on CPU tensors (slowly: the tests do), where bf16 operands are widened to float32
+before each product and rounded to nearest on the bits on the way out (Triton 3.8's interpreter
+multiplies bf16 tiles wrongly and truncates float32 to bf16). Tile sizes are fixed, not tuned
+per GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: Output tile (rows and columns) and reduction tile of every kernel.
+BLOCK, BLOCK_K = 64, 32
+
+
+@triton.jit
+def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+    """``Σₖ L[ri, k]·R[k, rj]`` in float32 (``L``: ``rows × inner``, ``R``: ``inner × cols``,
+    both through their strides; rows and columns beyond the ends read as 0)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for start in range(0, inner, BLOCK_K):
+        kk = start + rk
+        left = tl.load(L + ri[:, None] * l_r + kk[None, :] * l_c,
+                       mask=(ri[:, None] < rows) & (kk[None, :] < inner), other=0.0)
+        right = tl.load(R + kk[:, None] * r_r + rj[None, :] * r_c,
+                        mask=(kk[:, None] < inner) & (rj[None, :] < cols), other=0.0)
+        if EMULATED:
+            left, right = left.to(tl.float32), right.to(tl.float32)
+        acc = tl.dot(left, right, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _symmetric_kernel(L, Out, rows, inner, l_b, l_r, l_c, r_r, r_c, o_b, o_r, o_c, coef_b, coef_c,
+                      POLYNOMIAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+    """A symmetric product per matrix ``k``, tile ``(i, j)`` for ``i ≥ j`` only, stored at
+    ``(i, j)`` and ``(j, i)``: ``Out = L·Lᵀ`` (the Gram matrix; ``Lᵀ`` is ``L`` read with its
+    strides ``(r_r, r_c)`` swapped), or with ``POLYNOMIAL`` ``Out = b·L + c·L·L`` for a symmetric
+    ``L`` (the polynomial of a Newton–Schulz step)."""
+    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if j > i:
+        return
+    ri = i * BLOCK + tl.arange(0, BLOCK)
+    rj = j * BLOCK + tl.arange(0, BLOCK)
+    L += k * l_b
+    out = _tile_product(L, l_r, l_c, L, r_r, r_c, ri, rj, rows, rows, inner, BLOCK, BLOCK_K,
+                        EMULATED, PRECISION)
+    if POLYNOMIAL:
+        here = tl.load(L + ri[:, None] * l_r + rj[None, :] * l_c,
+                       mask=(ri[:, None] < rows) & (rj[None, :] < rows), other=0.0)
+        out = coef_b * here.to(tl.float32) + coef_c * out
+    _store_symmetric(Out + k * o_b, _cast(out, Out.dtype.element_ty, EMULATED), ri, rj, rows,
+                     o_r, o_c)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, EMULATED: tl.constexpr):
+    """``x`` (float32) in the output dtype, rounded to nearest even. Triton's interpreter
+    truncates float32 to bf16, so there the rounding is done on the bits first."""
+    if EMULATED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _store_symmetric(T, tile, ri, rj, rows, t_r, t_c):
+    """Store the lower triangle of a tile of a symmetric result, and its mirror image: the
+    result is exactly symmetric (a diagonal tile's upper half is its lower half's copy)."""
+    mask = (ri[:, None] < rows) & (rj[None, :] < rows) & (ri[:, None] >= rj[None, :])
+    tl.store(T + ri[:, None] * t_r + rj[None, :] * t_c, tile, mask=mask)
+    tl.store(T + rj[None, :] * t_r + ri[:, None] * t_c, tile, mask=mask)
+
+
+@triton.jit
+def _apply_kernel(Y, B, Z, rows, cols, y_b, y_r, y_c, b_b, b_r, b_c, z_b, z_r, z_c, coef_a,
+                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATED: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """``Z[k] = a·Y[k] + B[k]·Y[k]`` (``Y``, ``Z``: ``rows × cols``; ``B``: ``rows × rows``)."""
+    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ri = i * BLOCK + tl.arange(0, BLOCK)
+    rj = j * BLOCK + tl.arange(0, BLOCK)
+    Y += k * y_b
+    acc = _tile_product(B + k * b_b, b_r, b_c, Y, y_r, y_c, ri, rj, rows, cols, rows, BLOCK,
+                        BLOCK_K, EMULATED, PRECISION)
+    mask = (ri[:, None] < rows) & (rj[None, :] < cols)
+    here = tl.load(Y + ri[:, None] * y_r + rj[None, :] * y_c, mask=mask, other=0.0)
+    out = coef_a * here.to(tl.float32) + acc
+    tl.store(Z + k * z_b + ri[:, None] * z_r + rj[None, :] * z_c,
+             _cast(out, Z.dtype.element_ty, EMULATED), mask=mask)
+
+
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs these kernels (``TRITON_INTERPRET=1`` at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_symmetric_kernel, InterpretedFunction)
+
+
+def check_tensor(X: Tensor) -> None:
+    """Refuse, with a one-line error, a stack the kernels cannot run."""
+    if X.device.type != "cuda" and not _interpreted():
+        raise RuntimeError(
+            f"ns_backend='triton': the kernels run on CUDA tensors, got {X.device.type}; set "
+            "TRITON_INTERPRET=1 before importing muoneq to run them on CPU (slowly, for tests)"
+        )
+    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"ns_backend='triton': Newton–Schulz in {X.dtype} is not supported; allowed: "
+            "bfloat16, float16, float32 (use ns_backend='torch' for float64)"
+        )
+
+
+def _options(X: Tensor) -> dict:
+    return _launch_options(X.dtype, X.device)
+
+
+@functools.cache
+def _launch_options(dtype: torch.dtype, device: torch.device) -> dict:
+    check_tensor(torch.empty(0, dtype=dtype, device=device))
+    return {"BLOCK": BLOCK, "BLOCK_K": BLOCK_K,
+            "EMULATED": _interpreted() and dtype == torch.bfloat16,
+            "PRECISION": "ieee" if dtype == torch.float32 else None}
+
+
+def symmetric_gram(Y: Tensor, out: Tensor) -> Tensor:
+    """``out[k] = Y[k]·Y[k]ᵀ`` for a stack ``Y`` ``(k, r, c)`` of any strides."""
+    k, rows, inner = Y.shape
+    tiles = triton.cdiv(rows, BLOCK)
+    _symmetric_kernel[(tiles, tiles, k)](Y, out, rows, inner, *Y.stride(), Y.stride(2),
+                                         Y.stride(1), *out.stride(), 0.0, 0.0, POLYNOMIAL=False,
+                                         **_options(Y))
+    return out
+
+
+def symmetric_polynomial(A: Tensor, b: float, c: float, out: Tensor) -> Tensor:
+    """``out[k] = b·A[k] + c·A[k]·A[k]`` for a stack of symmetric matrices."""
+    k, rows, _ = A.shape
+    tiles = triton.cdiv(rows, BLOCK)
+    _symmetric_kernel[(tiles, tiles, k)](A, out, rows, rows, *A.stride(), A.stride(1),
+                                         A.stride(2), *out.stride(), b, c, POLYNOMIAL=True,
+                                         **_options(A))
+    return out
+
+
+def apply_polynomial(Y: Tensor, B: Tensor, a: float, out: Tensor) -> Tensor:
+    """``out[k] = a·Y[k] + B[k]·Y[k]`` (``out`` of ``Y``'s shape, any strides)."""
+    k, rows, cols = Y.shape
+    grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK), k)
+    _apply_kernel[grid](Y, B, out, rows, cols, *Y.stride(), *B.stride(), *out.stride(), a,
+                        **_options(Y))
+    return out
+
+
+def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
+                  poly: Tensor) -> Tensor:
+    """:func:`muoneq.newton_schulz.iterate_stack` in these kernels (same buffers, same
+    result within the rounding of ``X``'s dtype): the iterate alternates between ``X`` and
+    ``other``, a tall stack through its transposed view; returns the buffer of the last."""
+    tall = X.size(-2) > X.size(-1)
+    (current, current_wide), (following, following_wide) = (
+        (X, X.mT), (other, other.mT)) if tall else ((X, X), (other, other))
+    for a, b, c in coefficients:
+        symmetric_gram(current_wide, gram)
+        symmetric_polynomial(gram, b, c, poly)
+        apply_polynomial(current_wide, poly, a, following_wide)
+        (current, current_wide), (following, following_wide) = (
+            (following, following_wide), (current, current_wide))
+    return current

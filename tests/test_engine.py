@@ -1,0 +1,182 @@
+"""The planned stacked path (``muoneq.optim.engine``): a budget of operations per step that
+does not grow with the number of matrices, nothing allocated after the first step, and momentum
+banks behind an unchanged state dict."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from muoneq import MuonEq, build_optimizer, diag_pre
+from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
+from tests.helpers.dispatch import cpu_allocations, dispatched
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: aten operations dispatched by one stacked MuonEq-R step (Nesterov, float32 parameters and
+#: Newton–Schulz) on the benchmark's matrix sets (``muoneq bench``'s, miniature; the count does
+#: not depend on the size). Per stack of same-shape matrices: gather 1, momentum and Nesterov 2,
+#: DiagPre and the normalization 10, Newton–Schulz 3 per step and 2 transposed views, the update
+#: 1; per group the decay 1. Before the plan (a copy into a fresh stack per matrix, the cast and
+#: the update per matrix): 353, 376 and 863.
+BUDGETS = {"gpt2_small": 125, "llama2_130m": 94, "resnet18": 311}
+MODES = ["none", "R", "C", "RC"]
+
+
+def stepped(shapes, steps: int = 2, **options) -> MuonEq:
+    """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", **options})
+    for _ in range(steps):
+        opt.step()
+    return opt
+
+
+def halved(shapes):
+    return [(s[0] // 2, *s[1:]) if len(s) > 2 else (s[0] // 2, s[1] // 2) for s in shapes]
+
+
+@pytest.mark.parametrize("name", BUDGETS)
+def test_a_stacked_step_dispatches_its_budget_of_operations(name):
+    seen = dispatched(stepped(MATRIX_SETS[name](True)).step)
+    assert seen.total <= BUDGETS[name], seen.ops
+
+
+@pytest.mark.parametrize("name", BUDGETS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_operations_grow_with_the_shapes_not_with_the_matrices(name, mode):
+    shapes = MATRIX_SETS[name](True)
+    counts = [dispatched(stepped(s, mode=mode).step).ops
+              for s in (shapes, shapes * 3, halved(shapes))]
+    assert counts[0] == counts[1] == counts[2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+def test_no_tensor_is_allocated_after_the_first_step(mode, nesterov, ns_dtype):
+    shapes = MATRIX_SETS["gpt2_small"](True) + MATRIX_SETS["resnet18"](True)
+    opt = stepped(shapes, steps=1, mode=mode, nesterov=nesterov, ns_dtype=ns_dtype)
+    assert dispatched(opt.step).allocated == []
+    opt.param_groups[0]["lr"] = 0.01  # a scheduler's change: nothing planned again
+    opt.param_groups[0]["weight_decay"] = 0.0
+    assert dispatched(opt.step).allocated == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_cpu_allocator_holds_no_buffer_after_the_first_step(mode):
+    """The profiler's record of the CPU allocator, temporaries inside operations included: only
+    the 8-byte wrappers the CPU makes of Python numbers passed to an operation."""
+    opt = stepped(MATRIX_SETS["llama2_130m"](True), steps=1, mode=mode)
+    assert max(cpu_allocations(opt.step)) <= 8
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_the_prologue_writes_diag_pre_divided_by_its_frobenius_norm(mode, eps, shape):
+    """With the identity polynomial as Newton–Schulz, a step from zero reveals the normalized
+    input ``DiagPre(M̃)/‖DiagPre(M̃)‖_F`` (R and C take the norm from their sums in closed form);
+    a zero row and a zero column stay zero with ``ε = 0`` (Remark 3.3)."""
+    G = torch.randn(shape, dtype=torch.float64) * torch.logspace(-2, 2, shape[1])
+    G[1], G[:, 2] = 0, 0
+    p = nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+    p.grad = G.clone()
+    opt = MuonEq([p], lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, mode=mode,
+                 eps=eps, lr_adjust="none", ns_dtype="float64", ns_steps=1,
+                 ns_coefficients=(1.0, 0.0, 0.0), batching="stacked")
+    opt.step()
+    balanced = diag_pre(G, mode, eps)
+    torch.testing.assert_close(-p.detach(), balanced / balanced.norm(), rtol=1e-13, atol=0)
+
+
+def test_momentum_is_one_bank_per_shape_behind_the_state_dict_of_the_per_matrix_path():
+    shapes = [(8, 4), (8, 4), (4, 8), (8, 4)]
+    stacked, per_matrix = (stepped(shapes, batching=b) for b in ("stacked", "per_matrix"))
+    buffers = [stacked.state[p]["momentum_buffer"] for p in stacked.param_groups[0]["params"]]
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    assert len(storages) == 2  # one bank per stored shape, each parameter a row of it
+    ours, theirs = stacked.state_dict(), per_matrix.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for i, state in theirs["state"].items():
+        assert set(ours["state"][i]) == set(state)
+        torch.testing.assert_close(ours["state"][i]["momentum_buffer"],
+                                   state["momentum_buffer"], rtol=1e-6, atol=1e-7)
+    saved = io.BytesIO()
+    torch.save(ours, saved)  # one bank per shape in the file, not one per parameter
+    assert saved.tell() < 1.5 * sum(b.numel() * 4 for b in buffers) + 4096
+
+
+def test_a_parameter_given_new_storage_is_planned_again():
+    """``p.data = …`` (a model moved or cast in place) re-plans the group: the update lands in
+    the parameter's new storage."""
+    shapes = [(6, 4), (6, 4)]
+    opt, reference = stepped(shapes), stepped(shapes)
+    p = opt.param_groups[0]["params"][0]
+    p.data = p.data.clone()
+    opt.step()
+    reference.step()
+    for a, b in zip(opt.param_groups[0]["params"], reference.param_groups[0]["params"],
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_added_group_is_stepped_as_in_an_optimizer_built_with_it():
+    gen = torch.Generator().manual_seed(1)
+    first, second = ([nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(2)]
+                     for _ in range(2))
+    twins = [[nn.Parameter(p.detach().clone()) for p in ps] for ps in (first, second)]
+    grads = [torch.randn(5, 3, generator=gen) for _ in range(4)]
+    opt = MuonEq(first, lr=0.02, batching="stacked")
+    for p, g in zip(first, grads, strict=False):
+        p.grad = g
+    opt.step()
+    opt.add_param_group({"params": second, "mode": "RC"})
+    built = MuonEq([{"params": twins[0]}, {"params": twins[1], "mode": "RC"}], lr=0.02,
+                   batching="stacked")
+    for p, g in zip(twins[0], grads, strict=False):
+        p.grad = g
+    built.step()
+    for params in (first + second, twins[0] + twins[1]):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    opt.step()
+    built.step()
+    for a, b in zip(first + second, twins[0] + twins[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["normuon", "muon_plus"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(method,
+                                                                               nesterov):
+    """Their rules (a row second moment, banked like the momentum; column/row normalizations)
+    run batched after the stacked Newton–Schulz and give the per-matrix path's parameters and
+    state, in float64."""
+    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
+    results = {}
+    for batching in ("stacked", "per_matrix"):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = build_optimizer(method, [{"params": params}], lr=0.05, nesterov=nesterov,
+                              ns_dtype="float64", batching=batching)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            seen = dispatched(opt.step)
+        results[batching] = (params, opt.state_dict()["state"])
+        if batching == "stacked":
+            assert seen.ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
+    (stacked, ours), (per_matrix, theirs) = results["stacked"], results["per_matrix"]
+    for a, b in zip(stacked, per_matrix, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for i, state in theirs.items():
+        for key, value in state.items():
+            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)
