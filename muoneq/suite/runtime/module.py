@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from muoneq.suite.files import atomic_write
+from muoneq.suite.runtime.callbacks import logs_this_step
 from muoneq.suite.runtime.optim import build_optimizer_from_config, routing_table
 from muoneq.suite.runtime.schedule import build_scheduler, schedule_warnings
 
@@ -154,6 +155,17 @@ class TaskModule(L.LightningModule):
         return int(total)
 
     # ------------------------------------------------------------------ reporting
+    def logs_step(self) -> bool:
+        """Whether a per-step value (``self.log`` in ``training_step`` or a training batch hook)
+        of the optimizer step in progress is kept: log, and compute what is only logged, when
+        this is True (:func:`muoneq.suite.runtime.callbacks.logs_this_step`); False for a step
+        called without a trainer."""
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer: nothing is kept
+            return False
+        return logs_this_step(trainer)
+
     def final_metrics(self) -> dict:
         """Figures added to ``metrics.json`` (tasks extend this, e.g. with tokens seen)."""
         return {"parameters": sum(p.numel() for p in self.model.parameters())}
