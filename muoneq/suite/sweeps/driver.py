@@ -50,6 +50,7 @@ from pathlib import Path
 from muoneq.suite.errors import DiskFull
 from muoneq.suite.files import FULL_DISK, full_disk
 from muoneq.suite.sweeps import hparams
+from muoneq.suite.sweeps.eta import study_estimate
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
@@ -130,12 +131,21 @@ class Driver:
                     self.stop.wait(self.opts.poll_s)
                     continue
                 self.runner.execute(job, slot)
+                self._progress()
         except OSError as err:
             if not isinstance(err, DiskFull) and err.errno not in FULL_DISK:
                 raise
             self.failure = err if isinstance(err, DiskFull) else full_disk(
                 err.filename or self.study_dir, "then run the same sweep command to continue")
             self.stop.set()
+
+    def _progress(self) -> None:
+        """The progress line after a trial: runs done, to go, and when the study will end
+        (:mod:`muoneq.suite.sweeps.eta`)."""
+        with self._lock:
+            s, eta = study_estimate(self.ledger, self.opts.workers)
+        log.info("progress: %d/%d runs done, %d to go%s", s.done, s.total, s.pending,
+                 f"; {eta.describe()}" if eta is not None else "")
 
     def run(self) -> Summary:
         """Work until the study is finished (or SIGINT/SIGTERM); return the final counts."""
