@@ -75,7 +75,9 @@ def test_lean_imports_hide_the_packages_only_while_lightning_is_imported():
         assert not imports.package_available("transformers")
         assert not imports.package_available("scipy.signal")
         assert imports.RequirementCache("torch") and imports.package_available("numpy")
+        bound = imports.package_available  # as `from ... import package_available` binds it
     assert imports.RequirementCache("scipy") and imports.package_available("scipy")
+    assert bound("scipy")  # asked later through a name bound inside: the truth too
 
 
 # ----------------------------------------------------------------------------- logging

@@ -40,6 +40,7 @@ def hidden(packages: frozenset[str] = OPTIONAL) -> Iterator[None]:
     from lightning_utilities.core import imports
 
     check, available = imports.RequirementCache._check_requirement, imports.package_available
+    inside = [True]  # a module that imported package_available meanwhile keeps this function
 
     def check_requirement(self) -> None:
         if _top_name(self.requirement) in packages:
@@ -48,13 +49,14 @@ def hidden(packages: frozenset[str] = OPTIONAL) -> Iterator[None]:
         check(self)
 
     def package_available(name: str) -> bool:
-        return name.partition(".")[0] not in packages and available(name)
+        return not (inside[0] and name.partition(".")[0] in packages) and available(name)
 
     imports.RequirementCache._check_requirement = check_requirement
     imports.package_available = package_available
     try:
         yield
     finally:
+        inside[0] = False
         imports.RequirementCache._check_requirement = check
         imports.package_available = available
 
