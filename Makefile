@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-fast lint demo data-fineweb data-c4 train-llama-tiny figure-ns-geometry bench
+.PHONY: bench-trial
 .PHONY: ablation-cifar10 ablation-gpt2 heatmap-gpt2 ksweep-gpt2 lrsweep-llama130m
 .PHONY: lrsweep-llama350m table-llama report tensorboard
 .PHONY: train-cifar10
@@ -56,6 +57,9 @@ figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/R
 
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
 	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
+
+bench-trial: $(STAMP) ## what a demo trial pays besides its steps; the training loop's overhead -> runs/bench/trial_cpu.json (QUICK=1: smoke run; OUT=)
+	$(PY) -m muoneq bench-trial $(if $(QUICK),--quick) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 # The GPU check (docs/performance.md "GPU check"): on a lent GPU machine without a registry, carry the wheels
 # of `make gpu-wheels` (.whl/) and run `bash benchmarks/gpu_machine.sh check` there.

@@ -243,6 +243,7 @@ README_COMMANDS: dict[str, Doc] = {
     "bash benchmarks/gpu_machine.sh check":
         Doc("skip", "for a GPU machine; tests/test_gpu_check.py runs it with a stand-in wheel"),
     "make bench": Doc("skip", "minutes on a CPU (QUICK=1 runs the same code through make)"),
+    "make bench-trial": Doc("make", "tests/test_trial_cost.py runs it through make, QUICK=1"),
     "muoneq bench --sets gpt2_small": Doc("skip", "minutes on a CPU (the smoke run of the same "
                                                   "code is tested through make)"),
 }

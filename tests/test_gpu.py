@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from muoneq import MuonEq
@@ -83,6 +84,9 @@ def test_tiny_language_run_on_cuda_in_bf16_reports_mfu(tmp_path):
     assert metrics["status"] == "finished" and metrics["global_step"] == 4
     assert metrics["final"] is not None and 0 < metrics["mfu"] < 1
     assert metrics["peak_memory_kind"] != "host_rss"
+    # trainer.compile=auto (the default) compiled it: CUDA, with Triton (a GPU machine's torch)
+    provenance = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["provenance"]
+    assert provenance["resolved"]["compile"] is True
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "muoneq.suite.benchmarks.bench_step",
         "time one optimizer step vs torch.optim.Muon on GPT-2/LLaMA/ResNet matrix sets",
     ),
+    "bench-trial": (
+        "muoneq.suite.benchmarks.bench_trial",
+        "what a sweep's trial pays besides its steps: phases of a demo trial, loop overhead",
+    ),
     "demo": (
         "muoneq.suite.demo",
         "the main job: a miniature of the paper's ablation, offline on a CPU (make demo)",

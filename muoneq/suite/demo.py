@@ -17,9 +17,9 @@ End to end, in about six minutes on two idle cores (eleven on an older AVX2-only
    Muon-Nes and AdamW with 95% intervals, the token-efficiency speedups, whether each
    optimizer's best lr is bracketed, learning curves, all also in TensorBoard.
 
-Each run is a process that pays ~10 s of imports (Lightning pulls in torchmetrics, which
-imports torchvision and transformers) before 100 steps of ~0.15 s: within the ten-minute budget
-three paired seeds (the t quantile is 12.7 with two) leave room for 15 points, so the paper's
+Each run is a process that pays seconds of imports (torch and Lightning; ``make bench-trial``
+measures every phase of one) before 100 steps of ~0.1 s: within the ten-minute budget three
+paired seeds (the t quantile is 12.7 with two) leave room for 15 points, so the paper's
 lr × momentum heatmap (``make heatmap-gpt2``) is not part of the demo.
 """
 

@@ -24,9 +24,25 @@ from muoneq.suite.machine import device_name, load_average
 from muoneq.suite.runtime.accelerators import peak_memory, reset_peak_memory, synchronize
 
 
+def logs_this_step(trainer) -> bool:
+    """Whether a per-step value of the optimizer step in progress is kept anywhere: Lightning
+    writes step values to the loggers every ``trainer.log_every_n_steps`` steps (and on a step
+    that stops the fit), ``metrics.json`` keeps those of the fit's last step, and a progress bar
+    shows every step. On other steps a ``self.log`` is thrown away, yet costs milliseconds (it
+    copies Lightning's result collection): more than a small model's whole step on a GPU. The
+    runtime and the tasks log per-step values only on these steps (see
+    :meth:`muoneq.suite.runtime.TaskModule.logs_step`); the values kept are the same."""
+    if trainer.progress_bar_callback is not None:
+        return True
+    # the step in progress as Lightning's logger connector counts it (1-based)
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+    last = step >= trainer.estimated_stepping_batches
+    return last or trainer._logger_connector.should_update_logs
+
+
 class StepStats(L.Callback):
     """Time of every optimizer step and the peak memory, logged as ``perf/step_time_s`` and
-    ``perf/peak_memory_gb``.
+    ``perf/peak_memory_gb`` on the steps whose values are kept (:func:`logs_this_step`).
 
     A step is timed from the start of its first micro-batch to the end of its last one, with the
     device synchronized at both ends (data loading of the first micro-batch and validation are
@@ -79,11 +95,12 @@ class StepStats(L.Callback):
             self.step_times.append(elapsed)
             if (load := load_average()) is not None:
                 self.loads.append(load)
-        peak, _ = peak_memory(self.device)
-        pl_module.log_dict(
-            {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
-            on_step=True, on_epoch=False, rank_zero_only=True,
-        )
+        if logs_this_step(trainer):
+            peak, _ = peak_memory(self.device)
+            pl_module.log_dict(
+                {"perf/step_time_s": elapsed, "perf/peak_memory_gb": peak / 2**30},
+                on_step=True, on_epoch=False, rank_zero_only=True,
+            )
 
     # ------------------------------------------------------------------ results
     def summary(self) -> dict:

@@ -57,6 +57,19 @@ def closing_line(metrics: dict) -> str:
     return f"muoneq train: finished {metrics.get('run_dir')}: " + "  ".join(parts)
 
 
+def load_train(cfg):
+    """:func:`muoneq.suite.runtime.run.train`, imported for the run ``cfg``: Lightning without
+    the optional packages of torchmetrics when the run's task uses none of them
+    (:mod:`muoneq.suite.runtime.lean_imports`)."""
+    from muoneq.suite.runtime.lean_imports import import_lightning
+    from muoneq.suite.runtime.tasks import get_task
+
+    import_lightning(get_task(cfg.task.name).lean_imports)
+    from muoneq.suite.runtime.run import train
+
+    return train
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -69,10 +82,9 @@ def main(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
 
+    train = load_train(cfg)  # heavy imports only when training
     import torch.distributed as dist
     from lightning.pytorch.utilities import rank_zero_only
-
-    from muoneq.suite.runtime.run import train  # heavy imports only when training
 
     try:
         metrics = train(cfg, argv=args)

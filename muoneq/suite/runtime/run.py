@@ -47,6 +47,7 @@ from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepSta
 from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
+from muoneq.suite.runtime.module import compiles
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
 from muoneq.suite.runtime.trainer import build_trainer, check_accelerator
@@ -88,11 +89,15 @@ def _declare_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: list[str]) ->
 def _auto_values(cfg: DictConfig, trainer: L.Trainer) -> dict:
     """What the config's ``auto`` values are on this machine: the dtype Newton–Schulz runs in
     (``optimizer.ns_dtype=auto``: bfloat16 on accelerators and on CPUs with native bf16
-    products, float32 on other CPUs)."""
-    if "ns_dtype" not in cfg.optimizer:
-        return {}
-    dtype = resolve_dtype(cfg.optimizer.ns_dtype, trainer.strategy.root_device)
-    return {"ns_dtype": dtype_name(dtype)}
+    products, float32 on other CPUs) and whether the network is compiled
+    (``trainer.compile=auto``: on CUDA)."""
+    device = trainer.strategy.root_device
+    auto = {}
+    if "ns_dtype" in cfg.optimizer:
+        auto["ns_dtype"] = dtype_name(resolve_dtype(cfg.optimizer.ns_dtype, device))
+    if cfg.trainer.compile == "auto":
+        auto["compile"] = compiles("auto", device)
+    return auto
 
 
 def _read_finished(metrics_path: Path) -> dict:

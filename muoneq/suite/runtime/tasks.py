@@ -54,7 +54,12 @@ class TaskSpec:
     Optional: ``synthetic_data(cfg, folder)`` writes random inputs in the task's data format
     into ``folder``, as many as the run ``cfg`` reads, and returns the overrides that point the
     run at them (for throughput checks such as ``muoneq gpu-check``, never for results); and
-    ``commands``, the ``muoneq`` commands the task brings, by name."""
+    ``commands``, the ``muoneq`` commands the task brings, by name.
+
+    ``lean_imports``: the task's runs use none of the packages torchmetrics imports only for
+    its optional metrics (torchvision, transformers, scipy, matplotlib) through torchmetrics, so
+    their processes import Lightning without them (:mod:`muoneq.suite.runtime.lean_imports`);
+    they may still import any of them themselves."""
 
     config: type
     build: Callable[[Any], tuple[Any, Any]]
@@ -63,6 +68,7 @@ class TaskSpec:
     synthetic_data: Callable[[Any, Path], list[str]] | None = None
     commands: dict[str, TaskCommand] = field(default_factory=dict)
     check_data: Callable[[Any], None] | None = None
+    lean_imports: bool = False
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):

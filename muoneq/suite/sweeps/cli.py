@@ -14,6 +14,7 @@ from muoneq.suite.cli import program
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
+from muoneq.suite.sweeps.eta import study_estimate
 from muoneq.suite.sweeps.launch import trial_command
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, published_plan
 from muoneq.suite.sweeps.plan import describe_plan
@@ -109,11 +110,13 @@ def _status(spec, options: DriverOptions) -> int:
     logging.getLogger("muoneq.suite.sweeps").setLevel(logging.WARNING)  # the plan is printed below
     check = point_check(spec, study_dir) if spec.bracket is not None else None
     ledger = Ledger(*found, spec, DriverId.new(study_dir), study_dir, check)
-    s, plan = ledger.summary(), ledger.plan
+    (s, eta), plan = study_estimate(ledger, workers=1), ledger.plan
     grows = plan is not None and not plan.finished
     print(f"study {spec.study} ({where}): {s.done}/{s.total} runs done, "
           f"{len(s.exhausted)} out of retries, {s.pending} to go"
           + (" (the plan adds more as results come in)" if grows else ""))
+    if eta is not None:  # at the trials running now, or one at a time
+        print(f"  {eta.describe()}")
     for line in plan.lines() if plan is not None else []:
         print(f"  {line}")
     return 0

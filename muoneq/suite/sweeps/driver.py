@@ -50,6 +50,7 @@ from pathlib import Path
 from muoneq.suite.errors import DiskFull, UserError
 from muoneq.suite.files import FULL_DISK, NO_ACCESS, full_disk, no_access
 from muoneq.suite.sweeps import hparams
+from muoneq.suite.sweeps.eta import study_estimate
 from muoneq.suite.sweeps.launch import KILL_GRACE_S, cores, thread_defaults
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
@@ -136,6 +137,7 @@ class Driver:
                     self.stop.wait(self.opts.poll_s)
                     continue
                 self.runner.execute(job, slot)
+                self._progress()
         except OSError as err:
             if isinstance(err, DiskFull) or err.errno in FULL_DISK:
                 self.failure = err if isinstance(err, DiskFull) else full_disk(
@@ -145,6 +147,14 @@ class Driver:
             else:
                 raise
             self.stop.set()
+
+    def _progress(self) -> None:
+        """The progress line after a trial: runs done, to go, and when the study will end
+        (:mod:`muoneq.suite.sweeps.eta`)."""
+        with self._lock:
+            s, eta = study_estimate(self.ledger, self.opts.workers)
+        log.info("progress: %d/%d runs done, %d to go%s", s.done, s.total, s.pending,
+                 f"; {eta.describe()}" if eta is not None else "")
 
     def run(self) -> Summary:
         """Work until the study is finished, or until SIGINT (Ctrl-C) or SIGTERM: then every

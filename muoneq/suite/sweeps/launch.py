@@ -31,6 +31,8 @@ from muoneq.suite.files import atomic_write
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
 from muoneq.suite.sweeps.spec import Point, SweepSpec
 
+#: Inductor's cache of compiled kernels (Triton's included), shared by a study's trials
+COMPILE_CACHE_ENV, COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR", "compile_cache"
 RECORD_NAME = "trial.json"
 LOG_NAME = "trial.log"
 LOCK_NAME = ".trial.lock"
@@ -94,9 +96,14 @@ def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
 
 def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
                   devices: Sequence[str] = (), worker: int = 0,
-                  env_defaults: Mapping[str, str] = MappingProxyType({})):
+                  env_defaults: Mapping[str, str] = MappingProxyType({}),
+                  study_dir: Path | None = None):
     """The argv, environment and fingerprint of one run (the launch template filled in;
-    ``env_defaults`` under the environment and ``launch.env``: :func:`thread_defaults`)."""
+    ``env_defaults`` under the environment and ``launch.env``: :func:`thread_defaults`). With
+    ``study_dir``, the environment points ``torch.compile``'s cache at its ``compile_cache/``
+    (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the environment or ``launch.env``,
+    wins): a compiled trial stores its kernels there and the next ones load them instead of
+    compiling again."""
     overrides = list(spec.overrides) + point.overrides()
     fields = {**spec.launch.vars, "python": sys.executable,
               "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
@@ -108,6 +115,8 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
            **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = fields["devices"]
+    if study_dir is not None:
+        env.setdefault(COMPILE_CACHE_ENV, str(Path(study_dir).resolve() / COMPILE_CACHE))
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
     return argv, env, fingerprint
 

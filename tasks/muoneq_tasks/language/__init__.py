@@ -62,4 +62,5 @@ TASK = TaskSpec(
     commands={"data": TaskCommand(
         "muoneq_tasks.language.prepare",
         "tokenize a corpus (FineWeb, C4, local files) into token shards")},
+    lean_imports=True,
 )

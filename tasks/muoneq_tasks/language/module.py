@@ -84,7 +84,8 @@ class LanguageModule(TaskModule):
     def training_step(self, batch, batch_idx):
         inputs, targets = batch
         loss = lm_loss(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
+        if self.logs_step():
+            self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -97,6 +98,8 @@ class LanguageModule(TaskModule):
             return  # more micro-batches before the optimizer steps
         tokens_per_s = self.tokens_per_step / (time.perf_counter() - self._step_started)
         self._step_started = None
+        if not self.logs_step():
+            return
         metrics = {"perf/tokens_per_s": tokens_per_s}
         if (mfu := self.mfu(tokens_per_s)) is not None:
             metrics["perf/mfu"] = mfu

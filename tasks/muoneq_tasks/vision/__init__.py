@@ -29,4 +29,4 @@ def synthetic_data(cfg, folder):
 
 
 TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
-                metrics, synthetic_data)
+                metrics, synthetic_data, lean_imports=True)

@@ -44,9 +44,9 @@ class Cifar10Module(TaskModule):
         images, labels = batch
         logits = self(images)
         loss = F.cross_entropy(logits, labels)
-        accuracy = (logits.argmax(-1) == labels).float().mean()
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/acc", accuracy)
+        if self.logs_step():
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/acc", (logits.argmax(-1) == labels).float().mean())
         return loss
 
     def _evaluate(self, batch, stage: str) -> None:

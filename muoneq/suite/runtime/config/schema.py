@@ -100,8 +100,10 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     deterministic: bool = False
     benchmark: bool | None = None
-    #: ``torch.compile`` the network (the optimizer step stays eager).
-    compile: bool = False
+    #: ``torch.compile`` the network (the optimizer step stays eager): true, false, or ``auto``
+    #: (compiled on CUDA, eager elsewhere: :func:`muoneq.suite.runtime.module.compiles`); the
+    #: run's ``config.yaml`` records what ``auto`` became (``provenance.resolved.compile``).
+    compile: bool | str = "auto"
     #: Save ``last`` every N optimizer steps; ``None``: at the end of every epoch.
     checkpoint_every_n_steps: int | None = None
     progress: ProgressMode = ProgressMode.auto
@@ -122,6 +124,8 @@ class TrainerConfig:
                 f"trainer.devices: {self.devices!r}; allowed: a count, 'auto', -1 or indices "
                 "such as '0,2'"
             )
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ValueError(f"trainer.compile: {self.compile!r}; allowed: true, false, auto")
         for key in ("num_nodes", "accumulate_grad_batches", "log_every_n_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}: must be ≥ 1, got {getattr(self, key)}")

@@ -1,0 +1,73 @@
+"""When a sweep will end: the expected remaining wall time, from the trials finished so far.
+
+Once some trials have finished, with ``t`` the mean wall time of those trials (start to end, as
+the study recorded them), ``p`` the trials at work at once (the driver's workers, or the trials
+running now if more) and ``w`` the trials left to finish of which ``r`` are running, each for
+``e_i`` seconds so far::
+
+    remaining = ((w − r) · t + Σ_i max(t − e_i, 0)) / p
+
+``muoneq sweep``'s progress line (after every trial) and ``muoneq sweep --status`` say it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from optuna.trial import FrozenTrial
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The expected remaining wall time and what it rests on."""
+
+    seconds: float
+    trial_s: float  #: mean wall time of a finished trial
+    measured: int  #: finished trials measured
+    parallel: int  #: trials at work at once
+
+    def describe(self) -> str:
+        return (f"about {duration(self.seconds)} left ({self.parallel} at a time; a trial took "
+                f"{duration(self.trial_s)} on average, {self.measured} measured)")
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as a reader takes it in: ``45 s``, ``12 min``, ``3.4 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def estimate(finished: Iterable[FrozenTrial], running: Iterable[FrozenTrial], left: int,
+             workers: int, now: datetime.datetime | None = None) -> Estimate | None:
+    """The remaining wall time of a study with ``left`` trials to finish (``running`` among
+    them) at ``workers`` at a time, from its ``finished`` trials (see the module docstring);
+    None before any trial has finished, or when none is left."""
+    took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in finished
+            if t.datetime_start is not None and t.datetime_complete is not None]
+    if not took or left <= 0:
+        return None
+    mean = statistics.fmean(took)
+    now = now or datetime.datetime.now()
+    running = [t for t in running if t.datetime_start is not None]
+    in_progress = sum(max(mean - (now - t.datetime_start).total_seconds(), 0.0)
+                      for t in running[:left])
+    parallel = max(workers, len(running), 1)
+    queued = max(left - len(running), 0)
+    return Estimate((queued * mean + in_progress) / parallel, mean, len(took), parallel)
+
+
+def study_estimate(ledger, workers: int):
+    """``(summary, estimate)`` of the study a :class:`~muoneq.suite.sweeps.ledger.Ledger` keeps:
+    its counts and :func:`estimate` from its finished runs and those running under a live
+    driver."""
+    runs = ledger.survey().runs
+    summary = ledger.summary(runs)
+    finished = [t for state in runs.values() for t in state.done]
+    running = [t for state in runs.values() for t in state.live]
+    return summary, estimate(finished, running, summary.pending, workers)

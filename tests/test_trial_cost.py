@@ -1,0 +1,275 @@
+"""What a sweep's trial pays besides its optimizer steps, and what it is told about the rest:
+a run process imports only what it uses, per-step values are logged only where they are kept
+(the same ones), ``trainer.compile=auto`` and the study's shared compile cache, the expected
+remaining time of a sweep, and the benchmark that measures all this (smoke run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+from optuna.trial import FrozenTrial, TrialState
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+from muoneq.suite.runtime import ConfigError, TaskModule, compose, train
+from muoneq.suite.runtime.module import compiles
+from muoneq.suite.sweeps import Driver, load_sweep
+from muoneq.suite.sweeps.eta import duration, estimate
+from muoneq.suite.sweeps.launch import COMPILE_CACHE_ENV, trial_command
+from tests.helpers.commands import make
+from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
+from tests.helpers.runtime import tiny, tiny_language
+from tests.helpers.sweeps import load, options, write_sweep
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+# ----------------------------------------------------------------------------- imports
+@pytest.mark.slow
+def test_a_language_run_imports_no_scipy_transformers_or_torchvision(tmp_path):
+    args = ["experiment=llama_tiny_shakespeare", *tiny_language(tmp_path), "trainer.max_steps=2",
+            "task.val_every_n_steps=2", f"run.dir={tmp_path / 'run'}"]
+    code = textwrap.dedent(f"""
+        import json, sys
+        from muoneq.suite.cli import main
+        assert main(["train", *{args!r}]) == 0
+        print(json.dumps(sorted(m for m in sys.modules if m.partition(".")[0] in
+                                ("scipy", "transformers", "torchvision", "lightning"))))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = {m.partition(".")[0] for m in json.loads(done.stdout.splitlines()[-1])}
+    assert loaded == {"lightning"}  # it trained with Lightning, and with nothing of the rest
+    assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def test_lean_imports_hide_the_packages_only_while_lightning_is_imported():
+    from lightning_utilities.core import imports
+
+    from muoneq.suite.runtime.lean_imports import hidden
+
+    with hidden():  # what torchmetrics and Lightning ask while they are imported
+        assert not imports.RequirementCache("scipy>=1.0")
+        assert not imports.RequirementCache("torchvision")
+        assert not imports.package_available("transformers")
+        assert not imports.package_available("scipy.signal")
+        assert imports.RequirementCache("torch") and imports.package_available("numpy")
+        bound = imports.package_available  # as `from ... import package_available` binds it
+    assert imports.RequirementCache("scipy") and imports.package_available("scipy")
+    assert bound("scipy")  # asked later through a name bound inside: the truth too
+
+
+# ----------------------------------------------------------------------------- logging
+def test_step_values_are_logged_only_on_the_steps_that_keep_them(shards, tmp_path,
+                                                                 monkeypatch):
+    """Lightning writes step values every log_every_n_steps steps and metrics.json keeps the
+    last step's: logging on those steps only keeps every number of a run that logs every
+    step, and skips Lightning's logging on the others."""
+    every = train(compose(tiny_args(shards, tmp_path / "every", "trainer.max_steps=10",
+                                    "trainer.log_every_n_steps=1")))
+    calls: list[str] = []
+    log = TaskModule.log
+
+    def counted(self, name, *args, **kwargs):
+        calls.append(name)
+        return log(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(TaskModule, "log", counted)
+    sparse = train(compose(tiny_args(shards, tmp_path / "sparse", "trainer.max_steps=10",
+                                     "trainer.log_every_n_steps=4")))
+    # 10 steps of 2 micro-batches: logged on steps 4 and 8 (TensorBoard's) and 10 (the fit's
+    # last, whose values metrics.json keeps): train/loss on both micro-batches of each, the
+    # step's figures once
+    per_step = [c for c in calls if c.startswith(("train/", "perf/"))]
+    assert per_step.count("train/loss") == 3 * 2 and per_step.count("perf/tokens_per_s") == 3
+    assert per_step.count("perf/step_time_s") == per_step.count("perf/peak_memory_gb") == 3
+
+    kept, reference = scalars(tmp_path / "sparse"), scalars(tmp_path / "every")
+    assert set(kept) == set(reference)
+    for tag in ("train/loss", "lr/muon", "val/loss", "val/ppl"):
+        steps = [s for s, _ in kept[tag]]
+        assert kept[tag] == [p for p in reference[tag] if p[0] in steps], tag
+    assert [s for s, _ in kept["train/loss"]] == [4, 8]
+    assert [s for s, _ in kept["perf/step_time_s"]] == [4, 8]
+    assert set(sparse) == set(every)
+    # all but timings, the folder and the lr (Lightning's LearningRateMonitor logs on its own
+    # cadence: the last lr it logged)
+    other = ("perf/", "step_time", "peak_memory", "train_seconds", "wall_clock", "tokens_per_s",
+             "run_dir", "mfu", "lr/")
+    for key, value in every.items():
+        if not any(t in key for t in other):
+            assert sparse[key] == value, key
+
+
+# ----------------------------------------------------------------------------- compile
+@pytest.mark.parametrize("setting, device, expected", [
+    ("auto", "cuda:0", True), ("auto", "cpu", False), ("auto", "mps", False),
+    ("auto", "privateuseone:0", False), (True, "cpu", True), (False, "cuda:0", False),
+])
+def test_compile_auto_compiles_on_cuda_only(setting, device, expected, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # Triton is there
+    assert compiles(setting, torch.device(device)) is expected
+
+
+def test_compile_auto_runs_eager_on_cuda_without_triton(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: None if name == "triton" else real(name))
+    assert compiles("auto", torch.device("cuda:0")) is False
+
+
+def test_compile_auto_runs_eager_on_a_cpu_and_the_run_records_it(tmp_path):
+    seen = {}
+
+    class Compiled(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen["compiled"] = pl_module._compiled
+
+    run = tmp_path / "run"
+    train(compose(tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")),
+          callbacks=[Compiled()])
+    written = OmegaConf.load(run / "config.yaml")
+    assert written.trainer.compile == "auto" and seen["compiled"] is None
+    assert written.provenance.resolved.compile is False
+
+    train(compose(tiny(tmp_path, "trainer.max_epochs=1", "trainer.compile=false",
+                       f"run.dir={tmp_path / 'eager'}")))
+    assert "compile" not in OmegaConf.load(tmp_path / "eager" / "config.yaml").provenance.resolved
+
+
+def test_compile_takes_true_false_or_auto(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.compile: 'yes please'; allowed: true, "
+                                          r"false, auto"):
+        compose(tiny(tmp_path, "trainer.compile=yes please"))
+
+
+def test_trials_share_the_study_compile_cache_unless_the_user_chose_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml"))
+    point, study = spec.points()[0], tmp_path / "runs" / "tiny"
+    run_dir = point.run_dir(study, 0)
+    _, env, _ = trial_command(spec, point, 0, run_dir, study_dir=study)
+    assert env[COMPILE_CACHE_ENV] == str(study.resolve() / "compile_cache")
+    assert COMPILE_CACHE_ENV not in trial_command(spec, point, 0, run_dir)[1]
+
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "/scratch/mine")
+    assert trial_command(spec, point, 0, run_dir, study_dir=study)[1][COMPILE_CACHE_ENV] == \
+        "/scratch/mine"
+    monkeypatch.delenv(COMPILE_CACHE_ENV)
+    launched = load_sweep(write_sweep(tmp_path / "l.yaml", launch={
+        "command": spec.launch.command, "env": {COMPILE_CACHE_ENV: "/scratch/launch"}}))
+    assert trial_command(launched, point, 0, run_dir, study_dir=study)[1][COMPILE_CACHE_ENV] == \
+        "/scratch/launch"
+
+
+ENV_PROGRAM = """
+import json, os, sys
+args = dict(word.split("=", 1) for word in sys.argv[1:])
+os.makedirs(args["run.dir"], exist_ok=True)
+with open(os.path.join(args["run.dir"], "metrics.json"), "w") as fh:
+    json.dump({"val_loss": 1.0, "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}, fh)
+"""
+
+
+def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    program = tmp_path / "env_program.py"
+    program.write_text(ENV_PROGRAM)
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], launch={
+        "command": f"{{python}} {program} {{overrides}} seed={{seed}} run.dir={{run_dir}}"}))
+    driver = Driver(spec, options(tmp_path))
+    assert driver.run().exit_code == 0
+    for point in spec.points():
+        metrics = json.loads((point.run_dir(driver.study_dir, 0) / "metrics.json").read_text())
+        assert metrics["cache"] == str(driver.study_dir.resolve() / "compile_cache")
+
+
+# ----------------------------------------------------------------------------- when it ends
+NOW = datetime.datetime(2026, 11, 26, 12, 0, 0)
+
+
+def trial(started_s_ago: float, took_s: float | None = None) -> FrozenTrial:
+    start = NOW - datetime.timedelta(seconds=started_s_ago)
+    done = took_s is not None
+    return FrozenTrial(
+        number=0, trial_id=0, state=TrialState.COMPLETE if done else TrialState.RUNNING,
+        value=1.0 if done else None, datetime_start=start,
+        datetime_complete=start + datetime.timedelta(seconds=took_s) if done else None,
+        params={}, distributions={}, user_attrs={}, system_attrs={}, intermediate_values={})
+
+
+def test_the_remaining_time_is_the_hand_computed_one():
+    finished = [trial(300, 10), trial(200, 20), trial(100, 30)]  # 20 s on average
+    running = [trial(5), trial(50)]  # 15 s to go, and one slower than the average: 0
+    # 6 left: 4 queued × 20 s + 15 s, at 2 workers: (80 + 15) / 2
+    eta = estimate(finished, running, left=6, workers=2, now=NOW)
+    assert eta.seconds == pytest.approx(47.5)
+    assert (eta.trial_s, eta.measured, eta.parallel) == (20, 3, 2)
+    assert eta.describe() == ("about 48 s left (2 at a time; a trial took 20 s on average, "
+                              "3 measured)")
+    # more trials running than this driver's workers (another driver): they set the pace
+    assert estimate(finished, running, left=6, workers=1, now=NOW).parallel == 2
+    assert estimate([], running, left=6, workers=2, now=NOW) is None  # nothing measured yet
+    assert estimate(finished, [], left=0, workers=2, now=NOW) is None  # nothing left
+    assert [duration(s) for s in (44.6, 600, 5400, 12_000)] == ["45 s", "10 min", "1.5 h",
+                                                                "3.3 h"]
+
+
+def test_the_progress_line_and_status_say_when_the_sweep_ends(tmp_path, caplog):
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0, 1], overrides=["sleep_s=0.3"])
+    spec = load_sweep(sweep)
+    with caplog.at_level(logging.INFO, logger="muoneq.suite.sweeps"):
+        Driver(spec, options(tmp_path)).run()
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress")]
+    assert len(progress) == 4 and progress[-1] == "progress: 4/4 runs done, 0 to go"
+    assert re.fullmatch(r"progress: 1/4 runs done, 3 to go; about \d+ s left \(1 at a time; a "
+                        r"trial took \d+ s on average, 1 measured\)", progress[0]), progress[0]
+
+    # a study continued with one more seed: 2 runs left, measured on the 4 finished ones
+    grown = write_sweep(tmp_path / "s.yaml", seeds=[0, 1, 2], overrides=["sleep_s=0.3"])
+    study = load(tmp_path)
+    took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in study.trials]
+    status = subprocess.run([sys.executable, "-m", "muoneq", "sweep", str(grown), "--runs-dir",
+                             str(tmp_path / "runs"), "--status"], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    mean = sum(took) / len(took)
+    assert f"  about {duration(2 * mean)} left (1 at a time; a trial took {duration(mean)} on " \
+           "average, 4 measured)" in status.stdout, status.stdout
+
+
+# ----------------------------------------------------------------------------- benchmark
+@pytest.mark.slow
+def test_make_bench_trial_quick_says_what_it_measured(tmp_path):
+    done = make("bench-trial", "QUICK=1", f"OUT={tmp_path}", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "trial_cpu_quick.json").read_text())
+    phases = result["phases"]["phases_s"]
+    assert list(phases)[:3] == ["interpreter start", "imports", "config"]
+    assert "other 9 steps" in phases and list(phases)[-1] == "exit"
+    assert sum(phases.values()) == pytest.approx(result["phases"]["wall_s"], rel=1e-6)
+    for name in ("llama", "resnet"):
+        loop = result["loop"][name]
+        assert loop["raw_steps"] >= 2 and loop["loop_factor"] > 0 and loop["step_factor"] > 0
+    assert "QUICK RUN: smoke values" in done.stdout
+    assert "| phase | s | share |" in done.stdout and "| workload | steps |" in done.stdout
