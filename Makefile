@@ -27,11 +27,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install the package with the suite, dev and postgres extras
 
-test: $(STAMP) ## run the whole test suite (CPU; GPU-only tests skip without a GPU)
-	$(PY) -m pytest -q tests
+# Test processes (pytest-xdist): CI's 2 cores; TEST_WORKERS=auto takes every core, 0 runs in this one
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+test: $(STAMP) ## run the whole test suite (CPU; GPU-only tests skip without a GPU; TEST_WORKERS=2)
+	$(PYTEST) tests
 
 test-fast: $(STAMP) ## the suite without tests marked slow or distributed
-	$(PY) -m pytest -q -m "not slow and not distributed" tests
+	$(PYTEST) -m "not slow and not distributed" tests
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

@@ -36,10 +36,15 @@ def _top_name(requirement: str) -> str:
 @contextmanager
 def hidden(packages: frozenset[str] = OPTIONAL) -> Iterator[None]:
     """While inside, ``lightning_utilities``' ``RequirementCache`` and ``package_available`` say
-    that ``packages`` are not installed (see the module docstring)."""
+    that ``packages`` are not installed (see the module docstring); a ``lightning_utilities``
+    without these two hooks is left as it is (the run then imports everything, only slower)."""
     from lightning_utilities.core import imports
 
-    check, available = imports.RequirementCache._check_requirement, imports.package_available
+    check = getattr(imports.RequirementCache, "_check_requirement", None)
+    available = getattr(imports, "package_available", None)
+    if check is None or available is None:  # another lightning_utilities: import it all, as is
+        yield
+        return
     inside = [True]  # a module that imported package_available meanwhile keeps this function
 
     def check_requirement(self) -> None:
