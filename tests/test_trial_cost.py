@@ -113,10 +113,10 @@ def test_step_values_are_logged_only_on_the_steps_that_keep_them(shards, tmp_pat
     assert [s for s, _ in kept["train/loss"]] == [4, 8]
     assert [s for s, _ in kept["perf/step_time_s"]] == [4, 8]
     assert set(sparse) == set(every)
-    # all but timings, the folder and the lr (Lightning's LearningRateMonitor logs on its own
-    # cadence: the last lr it logged)
+    # all but timings, the machine's load while they were measured, the folder and the lr
+    # (Lightning's LearningRateMonitor logs on its own cadence: the last lr it logged)
     other = ("perf/", "step_time", "peak_memory", "train_seconds", "wall_clock", "tokens_per_s",
-             "run_dir", "mfu", "lr/")
+             "load_avg", "load_max", "run_dir", "mfu", "lr/")
     for key, value in every.items():
         if not any(t in key for t in other):
             assert sparse[key] == value, key
