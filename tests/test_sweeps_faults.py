@@ -400,3 +400,62 @@ def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue
         if sweep.poll() is None:
             os.killpg(sweep.pid, signal.SIGKILL)
             sweep.wait()
+
+
+
+#: ``muoneq sweep`` whose preflight, once it starts, says so in the file argv[1] and then takes
+#: as long as a long one (composing many configs, reading shards on a slow file system) would
+HELD_PREFLIGHT = """
+import sys, time
+from pathlib import Path
+from muoneq.suite.sweeps import validate
+def held(*args, **kwargs):
+    Path(sys.argv[1]).write_text("checking")
+    time.sleep(600)
+validate.check_trials = held
+from muoneq.suite.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_preflight_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C in the terminal while the preflight checks the study, before the driver handles
+    signals: one line, status 130, no traceback, nothing created."""
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0])
+    runs, started, log = tmp_path / "runs", tmp_path / "started", tmp_path / "sweep.log"
+    with log.open("w") as out:
+        sweep = subprocess.Popen(
+            [sys.executable, "-c", HELD_PREFLIGHT, str(started), "sweep", str(path),
+             "--runs-dir", str(runs)],
+            stdout=out, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+    try:
+        _wait_for(started.exists, sweep, "the preflight", log)
+        os.killpg(sweep.pid, signal.SIGINT)
+        sweep.wait(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
+    text = log.read_text()
+    assert sweep.returncode == 130, text
+    assert text.splitlines() == [
+        "muoneq: sweep interrupted (Ctrl-C) while checking the study, before any trial "
+        "started; run the same command to start it"], text
+    assert not runs.exists()
+
+
+def test_ctrl_c_in_any_command_without_a_handler_is_one_line(monkeypatch, capsys):
+    """``muoneq report`` (and every command that handles no signal itself) interrupted: one
+    line and status 130; ``--debug`` keeps the traceback."""
+    from muoneq.suite.cli import main
+    from muoneq.suite.report import cli as report_cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_cli, "main", interrupted)
+    assert main(["report", "runs/x"]) == 130
+    assert capsys.readouterr().err == "muoneq: report interrupted (Ctrl-C)\n"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--debug", "report", "runs/x"])

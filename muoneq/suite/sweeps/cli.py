@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 
 from muoneq.suite.cli import program
+from muoneq.suite.errors import Interrupted
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
@@ -79,6 +80,9 @@ def main(argv: list[str]) -> int:
         raise
     except ValueError as err:  # e.g. a malformed --storage URL
         raise SweepError(str(err)) from None
+    except KeyboardInterrupt:  # Ctrl-C before the driver handles signals (Driver.run)
+        raise Interrupted("sweep interrupted (Ctrl-C) while checking the study, before any "
+                          "trial started; run the same command to start it") from None
     where = storage_label(args.storage, driver.study_dir)
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
