@@ -459,3 +459,58 @@ def test_ctrl_c_in_any_command_without_a_handler_is_one_line(monkeypatch, capsys
     assert capsys.readouterr().err == "muoneq: report interrupted (Ctrl-C)\n"
     with pytest.raises(KeyboardInterrupt):
         main(["--debug", "report", "runs/x"])
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_trial_adopted_from_a_driver_that_died(tmp_path):
+    """A driver is killed while its trial runs; the next driver adopts the live trial; Ctrl-C on
+    that driver stops the adopted trial too (SIGTERM: it saves), found by the process id and
+    host its trial.json records, and tells it interrupted (no retry used up)."""
+    import json
+    import socket
+
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "sleep_s=600"],
+                       grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.02]}])
+    runs = tmp_path / "runs"
+    run_dir = runs / "tiny" / "trials" / "optimizer=muon_nes,optimizer.lr=0.02" / "seed0"
+    argv = [sys.executable, "-m", "muoneq", "sweep", str(path), "--runs-dir", str(runs),
+            "--poll", "0.2"]
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    drivers: list[subprocess.Popen] = []
+    pid = None
+    try:
+        with first_log.open("w") as out:
+            drivers.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                            env=clean_env(), start_new_session=True))
+        _wait_for(lambda: (run_dir / "pid").is_file() and (run_dir / "pid").read_text(),
+                  drivers[0], "the trial to start", first_log)
+        pid = int((run_dir / "pid").read_text())
+        _wait_for(lambda: "pid" in json.loads((run_dir / "trial.json").read_text()),
+                  drivers[0], "trial.json to record the trial's process", first_log)
+        record = json.loads((run_dir / "trial.json").read_text())
+        assert (record["pid"], record["host"]) == (pid, socket.gethostname())
+        drivers[0].kill()  # the driver alone: its trial runs on, in a session of its own
+        drivers[0].wait()
+        assert _alive(pid)
+        with second_log.open("w") as out:
+            drivers.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                            env=clean_env(), start_new_session=True))
+        _wait_for(lambda: "adopting it" in second_log.read_text(), drivers[1],
+                  "the second driver to adopt the trial", second_log)
+        os.killpg(drivers[1].pid, signal.SIGINT)
+        drivers[1].wait(timeout=300)
+        assert drivers[1].returncode == 130, second_log.read_text()[-3000:]
+        assert not _alive(pid)
+        assert (run_dir / "checkpoint").read_text() == "SIGTERM"
+        (trial,) = load(tmp_path).trials
+        assert trial.user_attrs["outcome"] == "interrupted"
+        assert trial.user_attrs["message"] == (
+            f"the sweep was interrupted; its process {pid}, adopted from a driver that died, "
+            "was stopped")
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        for driver in drivers:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait()

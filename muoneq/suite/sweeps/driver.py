@@ -18,7 +18,9 @@ threads in one process, several processes, several machines on one RDB storage) 
   hold the last runs (it takes them over if their driver dies);
 * **crashes**: a trial whose driver died is recognised (same machine: the driver's lock file is
   free; other machines: no heartbeat for ``retry.stale_after_s``). If its process finished,
-  its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for;
+  its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for
+  (and stopped by SIGINT or SIGTERM as the driver's own trials are: its ``trial.json`` records
+  its process id and host);
   otherwise it is told FAIL and re-queued, up to ``retry.max_retries`` times. A run folder that
   already holds ``metrics.json`` is told, never run again;
 * **config errors**: before the study is created or continued, the preflight checks the study's
