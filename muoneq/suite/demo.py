@@ -105,15 +105,16 @@ def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:
     from the current folder (this environment's scripts by path unless it is activated:
     :func:`muoneq.suite.cli.program`)."""
     from muoneq.suite.cli import program
+    from muoneq.suite.sweeps.tensorboard_view import VIEW_DIR
 
     runs = [] if runs_dir == Path("runs") else ["--runs-dir", str(runs_dir)]
     status = shlex.join(["sweep", str(study_dir / "sweep.yaml"), *runs, "--status"])
-    logdir = shlex.quote(str(study_dir))
+    logdir = shlex.quote(str(study_dir / VIEW_DIR))
     return [(str(study_dir / "report" / "report.md"),
              "tables, bracketing, speedups, learning curves"),
             (f"{program('tensorboard', 'tensorboard.main')} --logdir {logdir}",
-             "every run's curves, the HParams view and the report's figures (over 40 runs: "
-             "type seed0 in the runs filter)"),
+             "every run's curves by a short name, the HParams view and the report's figures "
+             "(over 40 runs: type seed0 in the runs filter)"),
             (f"{program()} {status}", "the study's counts"),
             (f"{program()} sweep ablation-cifar10 --workers 4",
              "a full-scale study of the paper (GPUs; `make help` in a checkout lists them)")]

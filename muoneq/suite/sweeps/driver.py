@@ -59,6 +59,7 @@ from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
 from muoneq.suite.sweeps.spec import Launch, SweepError, SweepSpec
 from muoneq.suite.sweeps.study import open_study
+from muoneq.suite.sweeps.tensorboard_view import StudyView
 from muoneq.suite.sweeps.validate import point_check, preflight
 
 log = logging.getLogger("muoneq.suite.sweeps")
@@ -114,6 +115,8 @@ class Driver:
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
         self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
         hparams.write_experiment(spec, self.study_dir)
+        self.view = StudyView(spec, self.study_dir)  # runs by short names, for TensorBoard
+        self.view.update(self.ledger.trials())
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.threads = thread_defaults(spec, self.opts.workers)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
@@ -133,6 +136,8 @@ class Driver:
             while not self.stop.is_set():
                 with self._lock:
                     job = self.scheduler.next_job()
+                    if job is not None and not isinstance(job, Wait):
+                        self.view.update(self.ledger.trials())
                 if job is None:
                     return
                 if isinstance(job, Wait):
