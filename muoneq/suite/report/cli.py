@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 from pathlib import Path
 
-from muoneq.suite.cli import program
 from muoneq.suite.report.build import nothing_to_report, write_report
 from muoneq.suite.report.records import load_study_data
-from muoneq.suite.sweeps.tensorboard_view import logdir, study_runs, write_view
+from muoneq.suite.sweeps.tensorboard_view import command as tensorboard_command
+from muoneq.suite.sweeps.tensorboard_view import study_runs, write_view
 
 
 def main(argv: list[str]) -> int:
@@ -43,8 +42,6 @@ def main(argv: list[str]) -> int:
     if not args.no_tensorboard:  # the runs by short names, with the report's figures
         write_view(data.study_dir, study_runs(data.spec, data.trials))
     print(report.markdown)
-    tensorboard = shlex.join([program("tensorboard", "tensorboard.main"), "--logdir",
-                              str(logdir(data.study_dir))])
     print(f"\nwritten to {report.out_dir}/ ({len(report.files)} files); "
-          f"TensorBoard: {tensorboard}")
+          f"TensorBoard: {tensorboard_command(data.study_dir)}")
     return 0

@@ -22,6 +22,7 @@ from muoneq.suite.sweeps.plan import describe_plan
 from muoneq.suite.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.suite.sweeps.storage import storage_label
 from muoneq.suite.sweeps.study import existing_study
+from muoneq.suite.sweeps.tensorboard_view import command as tensorboard_command
 from muoneq.suite.sweeps.validate import point_check, preflight, search_points
 
 
@@ -86,6 +87,8 @@ def main(argv: list[str]) -> int:
     where = storage_label(args.storage, driver.study_dir)
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
+    logging.info("curves as they come, each run by a short name: %s",
+                 tensorboard_command(driver.study_dir))
     s = driver.run()
     again = f"{program()} sweep {shlex.join(argv)}"
     print(f"study {spec.study}: {s.done}/{s.total} runs done"

@@ -43,6 +43,7 @@ import hashlib
 import logging
 import os
 import re
+import shlex
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -181,3 +182,12 @@ def logdir(study_dir: Path) -> Path:
     one made before views were (a view appears when its sweep or report runs again)."""
     view = Path(study_dir) / VIEW_DIR
     return view if view.is_dir() and not view.is_symlink() else Path(study_dir)
+
+
+def command(study_dir: Path) -> str:
+    """The TensorBoard command that shows a study, as it runs from here
+    (:func:`muoneq.suite.cli.program`)."""
+    from muoneq.suite.cli import program
+
+    return shlex.join([program("tensorboard", "tensorboard.main"), "--logdir",
+                       str(logdir(study_dir))])
