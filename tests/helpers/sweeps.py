@@ -90,3 +90,11 @@ def tensorboard_view(logdir: Path) -> tuple[list[str], dict[str, dict[str, float
     sessions = {s.name: {m.name.tag: m.value for m in s.metric_values}
                 for g in groups.session_groups for s in g.sessions}
     return sorted(multiplexer.Runs()), sessions
+
+
+def view_targets(study_dir: Path) -> dict[str, Path]:
+    """The study's TensorBoard view: each run's short name → the run folder its link leads to
+    (relative to the study folder)."""
+    view = study_dir / "tensorboard"
+    return {str(link.relative_to(view)): link.resolve().parent.relative_to(study_dir.resolve())
+            for link in view.glob("*/seed*")}

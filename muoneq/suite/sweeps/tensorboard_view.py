@@ -39,6 +39,7 @@ alone, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -106,10 +107,14 @@ def study_runs(spec: SweepSpec, trials: Iterable) -> dict[Path, tuple[Point, int
             runs[point.run_dir(Path(), seed)] = (point, seed)
     for t in trials:
         rec = TrialRecord.of(t)
-        if rec.point and rec.run_dirs and rec.seeds:
-            point = Point(tuple(rec.point.items()))
-            for seed, rel in zip(rec.seeds, rec.run_dirs, strict=False):
-                runs.setdefault(Path(rel), (point, seed))
+        if not (isinstance(rec.point, dict) and isinstance(rec.run_dirs, list)
+                and isinstance(rec.seeds, list)):
+            continue  # no run yet (asked, skipped), or not a record this driver wrote
+        point = Point(tuple(rec.point.items()))
+        for seed, rel in zip(rec.seeds, rec.run_dirs, strict=False):
+            rel = Path(str(rel))
+            if not rel.is_absolute() and ".." not in rel.parts:  # inside the study folder
+                runs.setdefault(rel, (point, seed))
     return runs
 
 
@@ -144,7 +149,8 @@ def write_view(study_dir: Path, runs: Mapping[Path, tuple[Point, int]]) -> None:
                 log.warning("%s is in the way of TensorBoard's view of a run: left alone", link)
                 continue
             link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(relative)
+            with contextlib.suppress(FileExistsError):  # another driver of the study made it
+                link.symlink_to(relative)
     except OSError as err:
         log.warning("TensorBoard's view of the runs (%s) not written: %s", view, err)
 
@@ -157,10 +163,13 @@ def _prune(view: Path, wanted: Mapping[Path, Path]) -> None:
     for folder, dirs, files in os.walk(view, topdown=False):  # links are not followed
         for name in dirs + files:
             path = Path(folder) / name
-            if path.is_symlink() and path not in wanted:
-                path.unlink()
-            elif name in dirs and not path.is_symlink() and not any(path.iterdir()):
-                path.rmdir()
+            # another driver of the study may prune or add at the same time
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_symlink() and path not in wanted:
+                    path.unlink()
+                elif name in dirs and not path.is_symlink() and not any(path.iterdir()):
+                    with contextlib.suppress(OSError):  # no longer empty
+                        path.rmdir()
 
 
 class StudyView:
