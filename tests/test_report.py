@@ -283,7 +283,7 @@ def test_a_report_gives_an_older_study_its_tensorboard_view(tmp_path, capsys):
     view = study_dir / "tensorboard"
     assert capsys.readouterr().out.splitlines()[-1].endswith(f" --logdir {view}")
     assert {str(p.relative_to(view)): os.readlink(p) for p in view.glob("*/seed*")} == {
-        f"optimizer={name}/seed{seed}":
+        f"{name}/seed{seed}":
             f"../../trials/optimizer={name},optimizer.lr=0.05/seed{seed}/tensorboard"
         for name in ("sgd", "muon_nes") for seed in (0, 1)}
     assert tensorboard_view(view)[0] == ["report"]  # no run has curves here

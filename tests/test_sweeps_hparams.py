@@ -76,8 +76,8 @@ def test_tensorboard_names_each_run_by_the_axes_that_differ_and_its_seed(tmp_pat
          "optimizer.momentum": [0.75]}])
     assert Driver(load_sweep(sweep), options(tmp_path, workers=2)).run().exit_code == 0
     study_dir = tmp_path / "runs" / "tiny"
-    points = ["optimizer=muon_nes,lr=0.1", "optimizer=muon_nes,lr=0.3",
-              "optimizer=muoneq_nes,lr=0.1,mode=R", "optimizer=muoneq_nes,lr=0.1,mode=RC"]
+    points = ["muon_nes,lr=0.1", "muon_nes,lr=0.3",
+              "muoneq_nes,lr=0.1,mode=R", "muoneq_nes,lr=0.1,mode=RC"]
     names = {f"{p}/seed{s}" for p in points for s in (0, 1)}
     runs, sessions = tensorboard_view(study_dir / "tensorboard")
     assert runs == sorted({"hparams", *names})  # the report's link leads nowhere yet
@@ -102,9 +102,11 @@ def test_tensorboard_names_each_run_by_the_axes_that_differ_and_its_seed(tmp_pat
     # names that would coincide keep their folders' names
     ([{"optimizer.lr": 0.0123451}, {"optimizer.lr": 0.0123452}, {"optimizer.lr": 0.5}],
      ["optimizer.lr=0.0123451", "optimizer.lr=0.0123452", "lr=0.5"]),
+    # a name the view's own entries have keeps its folder's name
+    ([{"optimizer": "report"}, {"optimizer": "sgd"}], ["optimizer=report", "sgd"]),
     # one point: its every axis
     ([{"optimizer": "adamw", "trainer.max_steps": 100}],
-     ["optimizer=adamw,trainer.max_steps=100"]),
+     ["adamw,trainer.max_steps=100"]),
 ])
 def test_short_names_keep_what_tells_points_apart(values, expected):
     points = [Point(tuple(v.items())) for v in values]

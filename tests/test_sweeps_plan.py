@@ -306,7 +306,7 @@ def test_report_and_dry_run_show_what_bracketing_added(tmp_path, capsys):
     view = view_targets(study_dir)
     assert sorted(view.values()) == sorted(p.relative_to(study_dir)
                                            for p in study_dir.glob("trials/*/seed*"))
-    assert view["optimizer=a,lr=0.32/seed1"] == Path("trials/optimizer=a,optimizer.lr=0.32/seed1")
+    assert view["a,lr=0.32/seed1"] == Path("trials/optimizer=a,optimizer.lr=0.32/seed1")
     report = write_report(load_study_data(tmp_path / "runs" / "plan"), tensorboard=False)
     table = (report.out_dir / "plan.md").read_text()
     assert ("| optimizer=a | optimizer.lr (log) | 0.01, 0.02, 0.04, 0.08, 0.16, 0.32 | "

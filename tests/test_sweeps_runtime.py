@@ -137,8 +137,8 @@ def test_what_the_demo_says_to_run_next_runs_as_printed(tmp_path, monkeypatch):
     # TensorBoard's runs by their short names (the study's view), not their run folders
     view = runs / "tiny" / "tensorboard"
     assert sorted(re.findall(r"^Event statistics for (.*):$", out[1], re.MULTILINE)) == [
-        str(view / name) for name in ("hparams", "optimizer=muon_nes/seed0",
-                                      "optimizer=muoneq_nes/seed0")]
+        str(view / name) for name in ("hparams", "muon_nes/seed0",
+                                      "muoneq_nes/seed0")]
     # in an activated environment, the bare names
     monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, bare]))
     if (Path(bin_dir) / "muoneq").is_file():

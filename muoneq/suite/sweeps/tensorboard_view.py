@@ -8,11 +8,11 @@ TensorBoard's run list cuts before the mode and the seed). The view is a tree of
 links, one per run:
 
 * ``<name>/seed<N>`` → ``../../trials/<point>/seed<N>/tensorboard``, where ``<name>`` holds only
-  the axes whose values differ between the study's points, ``optimizer.`` left out of their
-  names and numbers to 4 significant digits, in the axes' order
-  (``optimizer=muoneq_nes,lr=0.04,mode=RC/seed0``, 42 characters); points whose names would
-  coincide keep their run folder's name (a name always holds ``=``: never ``hparams`` or
-  ``report``);
+  the axes whose values differ between the study's points, in the axes' order: a config
+  group's choice by itself, another axis as ``name=value`` with ``optimizer.`` left out of its
+  name and a number to 4 significant digits (``muoneq_nes,lr=0.04,mode=RC/seed0``, 32
+  characters); points whose names would coincide (or be ``hparams`` or ``report``) keep their
+  run folder's name;
 * ``hparams`` → ``../hparams`` (the HParams experiment config; each run's session lies beside
   its curves, so it pairs with the run's short name) and ``report`` →
   ``../report/tensorboard`` (the report's figures and tables).
@@ -79,18 +79,22 @@ def _folder_name(text: str) -> str:
 
 def short_names(points: Iterable[Point]) -> dict[str, str]:
     """Each point's name in the view, by its key (module docstring): its values on the axes
-    that differ between ``points`` (every axis when none does); its run folder's name where
-    that would not tell it apart."""
+    that differ between ``points`` (every axis when none does), a config group's choice by
+    itself (``muoneq_nes``, not ``optimizer=muoneq_nes``); its run folder's name where that
+    would not tell it apart."""
+    from muoneq.suite.runtime.config import GROUPS
+
     points = list({p.key: p for p in points}.values())
     values: dict[str, set[str]] = {}
     for p in points:
         for axis, value in p.items:
             values.setdefault(axis, set()).add(format_value(value))
     differ = {a for a, v in values.items() if len(v) > 1} or set(values)
-    names = {p.key: _folder_name(",".join(label(a, v) for a, v in p.items if a in differ))
-             for p in points}
+    names = {p.key: _folder_name(",".join(
+        format_value(v) if a in GROUPS else label(a, v) for a, v in p.items if a in differ))
+        for p in points}
     counts = Counter(names.values())
-    clash = {n for n, c in counts.items() if c > 1}
+    clash = {n for n, c in counts.items() if c > 1} | set(EXTRAS)  # an optimizer "report"
     names = {p.key: p.slug() if names[p.key] in clash else names[p.key] for p in points}
     if len(set(names.values())) < len(names):  # a short name that is another's folder name
         names = {p.key: p.slug() for p in points}
