@@ -135,6 +135,7 @@ def test_make_report(tmp_path):
     assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
 
 
+@pytest.mark.slow
 def test_make_tensorboard_reads_a_study(tmp_path):
     """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's) on the
     study's view of short run names (a folder without one: the folder); without ``STUDY``, on
