@@ -119,8 +119,21 @@ report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); d
 		[ $$found = 1 ] || { echo "muoneq: no study under $(RUNS)/; run a sweep target first, or pass STUDY=runs/<name>" >&2; exit 2; }; \
 	fi
 
-tensorboard: $(STAMP) ## TensorBoard on STUDY=runs/<name> (default: every study in RUNS=runs/) at http://localhost:6006 (ARGS="--port 6007")
-	$(VENV)/bin/tensorboard --logdir $(or $(STUDY),$(RUNS)) $(ARGS)
+# A study is read through its view of short run names, <study>/tensorboard/ (docs/sweeps.md): its
+# folder would show every run twice. Without STUDY, a temporary folder of links names each study
+# (its view) and each other run folder of RUNS by its folder's name.
+tensorboard_dir = $(if $(and $(wildcard $(1)/optuna.journal),$(wildcard $(1)/tensorboard/.)),$(1)/tensorboard,$(1))
+tensorboard: $(STAMP) ## TensorBoard on STUDY=runs/<name> (its runs by short names; default: every study and run in RUNS=runs/) at http://localhost:6006 (ARGS="--port 6007")
+ifneq ($(STUDY),)
+	$(VENV)/bin/tensorboard --logdir $(call tensorboard_dir,$(STUDY)) $(ARGS)
+else
+	@[ -n "$(wildcard $(RUNS)/*/.)" ] || { echo "muoneq: nothing under $(RUNS)/ to show; run a study first (make demo), or pass STUDY=runs/<name>" >&2; exit 2; }
+	@links=$$(mktemp -d) && trap 'rm -r "$$links"' EXIT && \
+	for d in $(foreach d,$(wildcard $(RUNS)/*/.),$(call tensorboard_dir,$(d:/.=))); do \
+		name=$${d#$(RUNS)/}; ln -s "$$(realpath "$$d")" "$$links/$${name%%/*}"; \
+	done && \
+	$(VENV)/bin/tensorboard --logdir "$$links" $(ARGS)
+endif
 
 # One run of the paper's CIFAR-10 recipe (conf/experiment/cifar10_resnet18.yaml), e.g.
 #   make train-cifar10 OPT=muoneq_nes SEED=1 ARGS="optimizer.mode=RC trainer.devices=4"

@@ -135,17 +135,39 @@ def test_make_report(tmp_path):
     assert "| MuonEq-Nes | 0.05 |" in (study_dir / "report" / "table_table.md").read_text()
 
 
+@pytest.mark.slow
 def test_make_tensorboard_reads_a_study(tmp_path):
-    """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's);
+    """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's) on the
+    study's view of short run names (a folder without one: the folder); without ``STUDY``, on
+    every study's view and every other folder of ``RUNS``, each once, by its name.
     ``ARGS=--inspect`` reads the events instead of starting the server."""
     from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(tmp_path / "runs" / "s" / "trials" / "a" / "tensorboard")) as w:
+    from muoneq.suite.sweeps import Driver
+    from tests.helpers.sweeps import options, write_sweep
+
+    runs = tmp_path / "runs"
+    with SummaryWriter(str(runs / "plain" / "tensorboard")) as w:  # a `muoneq train` run
         w.add_scalar("val/ppl", 5.0, 1)
-    done = make("tensorboard", f"STUDY={tmp_path / 'runs' / 's'}", "ARGS=--inspect",
-                env=clean_env(PATH="/usr/bin:/bin"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "val/ppl" in done.stdout
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0]))
+    assert Driver(sweep, options(tmp_path)).run().done == 2
+    env = clean_env(PATH="/usr/bin:/bin")
+
+    def inspected(*args: str) -> list[str]:
+        done = make("tensorboard", *args, "ARGS=--inspect", env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(re.findall(r"^Event statistics for (.*):$", done.stdout, re.MULTILINE))
+
+    done = make("tensorboard", f"STUDY={runs / 'plain'}", "ARGS=--inspect", env=env)
+    assert done.returncode == 0 and "val/ppl" in done.stdout, done.stderr[-3000:]
+    view = runs / "tiny" / "tensorboard"
+    assert inspected(f"STUDY={runs / 'tiny'}") == sorted(
+        str(view / name) for name in ("hparams", "muon_nes/seed0",
+                                      "muoneq_nes/seed0"))
+    every = inspected(f"RUNS={runs}")  # under a temporary folder of links
+    assert [os.path.relpath(p, os.path.commonpath(every)) for p in every] == [
+        "plain/tensorboard", "tiny/hparams", "tiny/muon_nes/seed0",
+        "tiny/muoneq_nes/seed0"], every
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ and a study read back from its Optuna storage."""
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 from matplotlib.image import imread
@@ -263,6 +264,29 @@ def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, cap
     report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"))
     assert (report.out_dir / "tensorboard").is_dir()
     assert [label for label, _, _ in report.tables[0].rows] == ["SGD", "Muon-Nes", "MuonEq-Nes"]
+
+
+def test_a_report_gives_an_older_study_its_tensorboard_view(tmp_path, capsys):
+    """A study made before views were: its report writes the view (the runs by short names,
+    with the report's own images) and prints the command that reads it."""
+    from tests.helpers.sweeps import tensorboard_view
+
+    sweep = {"study": "old", "experiment": "cifar10_resnet18", "seeds": [0, 1],
+             "grid": [{"optimizer": ["sgd", "muon_nes"], "optimizer.lr": [0.05]}],
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    _, spec, study = stored_study(tmp_path, sweep)
+    for i, p in enumerate(spec.points()):
+        for seed in (0, 1):
+            add_trial(study, (p.as_dict(), p.key), seed, 0.9 + 0.01 * i)
+    study_dir = tmp_path / "runs" / "old"
+    assert report_main([str(study_dir)]) == 0
+    view = study_dir / "tensorboard"
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f" --logdir {view}")
+    assert {str(p.relative_to(view)): os.readlink(p) for p in view.glob("*/seed*")} == {
+        f"{name}/seed{seed}":
+            f"../../trials/optimizer={name},optimizer.lr=0.05/seed{seed}/tensorboard"
+        for name in ("sgd", "muon_nes") for seed in (0, 1)}
+    assert tensorboard_view(view)[0] == ["report"]  # no run has curves here
 
 
 def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):

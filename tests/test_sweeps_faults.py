@@ -400,3 +400,117 @@ def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue
         if sweep.poll() is None:
             os.killpg(sweep.pid, signal.SIGKILL)
             sweep.wait()
+
+
+
+#: ``muoneq sweep`` whose preflight, once it starts, says so in the file argv[1] and then takes
+#: as long as a long one (composing many configs, reading shards on a slow file system) would
+HELD_PREFLIGHT = """
+import sys, time
+from pathlib import Path
+from muoneq.suite.sweeps import validate
+def held(*args, **kwargs):
+    Path(sys.argv[1]).write_text("checking")
+    time.sleep(600)
+validate.check_trials = held
+from muoneq.suite.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_preflight_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C in the terminal while the preflight checks the study, before the driver handles
+    signals: one line, status 130, no traceback, nothing created."""
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0])
+    runs, started, log = tmp_path / "runs", tmp_path / "started", tmp_path / "sweep.log"
+    with log.open("w") as out:
+        sweep = subprocess.Popen(
+            [sys.executable, "-c", HELD_PREFLIGHT, str(started), "sweep", str(path),
+             "--runs-dir", str(runs)],
+            stdout=out, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+    try:
+        _wait_for(started.exists, sweep, "the preflight", log)
+        os.killpg(sweep.pid, signal.SIGINT)
+        sweep.wait(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
+    text = log.read_text()
+    assert sweep.returncode == 130, text
+    assert text.splitlines() == [
+        "muoneq: sweep interrupted (Ctrl-C) while checking the study, before any trial "
+        "started; run the same command to start it"], text
+    assert not runs.exists()
+
+
+def test_ctrl_c_in_any_command_without_a_handler_is_one_line(monkeypatch, capsys):
+    """``muoneq report`` (and every command that handles no signal itself) interrupted: one
+    line and status 130; ``--debug`` keeps the traceback."""
+    from muoneq.suite.cli import main
+    from muoneq.suite.report import cli as report_cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_cli, "main", interrupted)
+    assert main(["report", "runs/x"]) == 130
+    assert capsys.readouterr().err == "muoneq: report interrupted (Ctrl-C)\n"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--debug", "report", "runs/x"])
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_trial_adopted_from_a_driver_that_died(tmp_path):
+    """A driver is killed while its trial runs; the next driver adopts the live trial; Ctrl-C on
+    that driver stops the adopted trial too (SIGTERM: it saves), found by the process id and
+    host its trial.json records, and tells it interrupted (no retry used up)."""
+    import json
+    import socket
+
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "sleep_s=600"],
+                       grid=[{"optimizer": ["muon_nes"], "optimizer.lr": [0.02]}])
+    runs = tmp_path / "runs"
+    run_dir = runs / "tiny" / "trials" / "optimizer=muon_nes,optimizer.lr=0.02" / "seed0"
+    argv = [sys.executable, "-m", "muoneq", "sweep", str(path), "--runs-dir", str(runs),
+            "--poll", "0.2"]
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    drivers: list[subprocess.Popen] = []
+    pid = None
+    try:
+        with first_log.open("w") as out:
+            drivers.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                            env=clean_env(), start_new_session=True))
+        _wait_for(lambda: (run_dir / "pid").is_file() and (run_dir / "pid").read_text(),
+                  drivers[0], "the trial to start", first_log)
+        pid = int((run_dir / "pid").read_text())
+        _wait_for(lambda: "pid" in json.loads((run_dir / "trial.json").read_text()),
+                  drivers[0], "trial.json to record the trial's process", first_log)
+        record = json.loads((run_dir / "trial.json").read_text())
+        assert (record["pid"], record["host"]) == (pid, socket.gethostname())
+        drivers[0].kill()  # the driver alone: its trial runs on, in a session of its own
+        drivers[0].wait()
+        assert _alive(pid)
+        with second_log.open("w") as out:
+            drivers.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                            env=clean_env(), start_new_session=True))
+        _wait_for(lambda: "adopting it" in second_log.read_text(), drivers[1],
+                  "the second driver to adopt the trial", second_log)
+        os.killpg(drivers[1].pid, signal.SIGINT)
+        drivers[1].wait(timeout=300)
+        assert drivers[1].returncode == 130, second_log.read_text()[-3000:]
+        assert not _alive(pid)
+        assert (run_dir / "checkpoint").read_text() == "SIGTERM"
+        (trial,) = load(tmp_path).trials
+        assert trial.user_attrs["outcome"] == "interrupted"
+        assert trial.user_attrs["message"] == (
+            f"the sweep was interrupted; its process {pid}, adopted from a driver that died, "
+            "was stopped")
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        for driver in drivers:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait()

@@ -1,11 +1,14 @@
 """TensorBoard's HParams view of a study (muoneq.suite.sweeps.hparams), read back with TensorBoard's
 own readers (EventAccumulator and the hparams plugin's metadata parsers): one experiment config
 for the study (the axes, optimizer and mode; the objective and the report's metrics by their
-names), one session per run grouped by its point, with its metrics.json values."""
+names), one session per run grouped by its point, with its metrics.json values; the study's
+view of its runs by short names (muoneq.suite.sweeps.tensorboard_view), as TensorBoard's own
+loader and HParams plugin list them."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,9 @@ from tensorboard.plugins.hparams import metadata
 
 from muoneq.suite.sweeps import Driver, load_sweep
 from muoneq.suite.sweeps.events import ScalarReader
-from tests.helpers.sweeps import options, read, session, write_sweep
+from muoneq.suite.sweeps.spec import Point
+from muoneq.suite.sweeps.tensorboard_view import short_names, write_view
+from tests.helpers.sweeps import options, read, session, tensorboard_view, write_sweep
 
 
 def experiment(study_dir: Path):
@@ -57,3 +62,80 @@ def test_a_two_axis_study_declares_its_axes_and_metrics_and_one_session_per_run(
         assert set(scalars) == {"val_loss"}  # float32 in the event file
         assert scalars["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-6, abs=1e-9)
         assert ScalarReader(run_dir).tags() == []  # a session is no learning curve
+
+
+def test_tensorboard_names_each_run_by_the_axes_that_differ_and_its_seed(tmp_path):
+    """``tensorboard --logdir runs/<study>/tensorboard``, read by TensorBoard's own loader and
+    HParams plugin: every run once, by a short name holding only what tells it apart (the full
+    folder names share their first 40 characters); its session pairs with it; re-running the
+    sweep keeps the names."""
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0, 1], grid=[
+        {"optimizer": ["muon_nes"], "optimizer.lr": [0.1, 0.3], "optimizer.momentum": [0.75],
+         "optimizer.ns_steps": [5]},
+        {"optimizer": ["muoneq_nes"], "optimizer.mode": ["R", "RC"], "optimizer.lr": [0.1],
+         "optimizer.momentum": [0.75]}])
+    assert Driver(load_sweep(sweep), options(tmp_path, workers=2)).run().exit_code == 0
+    study_dir = tmp_path / "runs" / "tiny"
+    points = ["muon_nes,lr=0.1", "muon_nes,lr=0.3",
+              "muoneq_nes,lr=0.1,mode=R", "muoneq_nes,lr=0.1,mode=RC"]
+    names = {f"{p}/seed{s}" for p in points for s in (0, 1)}
+    runs, sessions = tensorboard_view(study_dir / "tensorboard")
+    assert runs == sorted({"hparams", *names})  # the report's link leads nowhere yet
+    assert set(sessions) == names
+    for name, metrics in sessions.items():  # each its own run's, from its metrics.json
+        run_dir = (study_dir / "tensorboard" / name).resolve().parent
+        assert run_dir.parent.parent == (study_dir / "trials").resolve()
+        assert metrics["val_loss"] == pytest.approx(
+            json.loads((run_dir / "metrics.json").read_text())["val_loss"], rel=1e-6)
+    view = sorted(p.relative_to(study_dir) for p in (study_dir / "tensorboard").rglob("*"))
+    assert Driver(load_sweep(sweep), options(tmp_path)).run().exit_code == 0  # nothing to do
+    assert sorted(p.relative_to(study_dir) for p in (study_dir / "tensorboard").rglob("*")) \
+        == view
+    assert tensorboard_view(study_dir / "tensorboard") == (runs, sessions)
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    # the axes that differ, numbers to 4 significant digits
+    ([{"optimizer": "muon_nes", "optimizer.lr": 0.0123456, "optimizer.ns_steps": 5},
+      {"optimizer": "muon_nes", "optimizer.lr": 2e-05, "optimizer.ns_steps": 5}],
+     ["lr=0.01235", "lr=2e-05"]),
+    # names that would coincide keep their folders' names
+    ([{"optimizer.lr": 0.0123451}, {"optimizer.lr": 0.0123452}, {"optimizer.lr": 0.5}],
+     ["optimizer.lr=0.0123451", "optimizer.lr=0.0123452", "lr=0.5"]),
+    # a name the view's own entries have keeps its folder's name
+    ([{"optimizer": "report"}, {"optimizer": "sgd"}], ["optimizer=report", "sgd"]),
+    # one point: its every axis
+    ([{"optimizer": "adamw", "trainer.max_steps": 100}],
+     ["adamw,trainer.max_steps=100"]),
+])
+def test_short_names_keep_what_tells_points_apart(values, expected):
+    points = [Point(tuple(v.items())) for v in values]
+    assert [short_names(points)[p.key] for p in points] == expected
+
+
+def test_the_view_removes_only_its_own_stale_links(tmp_path, caplog):
+    """A rewritten view drops links of points gone (and the folders that leaves empty), replaces
+    a link that leads elsewhere, keeps a file of someone's; a view folder that is a link is left
+    alone."""
+    study_dir = tmp_path / "study"
+    point = Point((("optimizer.lr", 0.1),))
+    runs = {point.run_dir(Path(), 0): (point, 0)}
+    view = study_dir / "tensorboard"
+    (view / "old").mkdir(parents=True)
+    (view / "old" / "seed0").symlink_to("../../trials/old/seed0/tensorboard")
+    (view / "notes.txt").write_text("mine")
+    (view / "hparams").symlink_to("elsewhere")
+    write_view(study_dir, runs)
+    found = {p.relative_to(view): os.readlink(p) if p.is_symlink() else p.read_text()
+             for p in view.rglob("*") if not p.is_dir() or p.is_symlink()}
+    assert found == {Path("notes.txt"): "mine", Path("hparams"): "../hparams",
+                     Path("report"): "../report/tensorboard",
+                     Path("lr=0.1/seed0"): "../../trials/optimizer.lr=0.1/seed0/tensorboard"}
+    assert not (view / "old").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "tensorboard").symlink_to(other, target_is_directory=True)
+    write_view(linked, runs)
+    assert not any(other.iterdir()) and "is not a folder the sweep made" in caplog.text

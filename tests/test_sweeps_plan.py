@@ -31,7 +31,7 @@ from muoneq.suite.sweeps.plan import make_plan, spacing, step
 from muoneq.suite.sweeps.spec import spec_from_dict
 from muoneq.suite.sweeps.storage import open_storage
 from tests.helpers.sweep_objective_program import objective
-from tests.helpers.sweeps import COMMAND
+from tests.helpers.sweeps import COMMAND, view_targets
 
 
 def sweep(**fields) -> dict:
@@ -301,6 +301,12 @@ def test_report_and_dry_run_show_what_bracketing_added(tmp_path, capsys):
     summary = Driver(load_sweep(path), DriverOptions(runs_dir=tmp_path / "runs", workers=2,
                                                      poll_s=0.2, tick_s=0.05)).run()
     assert (summary.done, summary.total, summary.exit_code) == (22, 22, 0)
+    # TensorBoard's view names every run once, those bracketing added too
+    study_dir = tmp_path / "runs" / "plan"
+    view = view_targets(study_dir)
+    assert sorted(view.values()) == sorted(p.relative_to(study_dir)
+                                           for p in study_dir.glob("trials/*/seed*"))
+    assert view["a,lr=0.32/seed1"] == Path("trials/optimizer=a,optimizer.lr=0.32/seed1")
     report = write_report(load_study_data(tmp_path / "runs" / "plan"), tensorboard=False)
     table = (report.out_dir / "plan.md").read_text()
     assert ("| optimizer=a | optimizer.lr (log) | 0.01, 0.02, 0.04, 0.08, 0.16, 0.32 | "
@@ -330,6 +336,9 @@ def test_coordinate_descent_driver_runs_each_point_once(tmp_path):
     assert data.plan["state"] == "converged"
     assert data.plan["path"][-1]["point"] == {"optimizer.lr": 0.3, "optimizer.momentum": 0.8}
     assert set(starts(tmp_path / "runs" / "plan").values()) == {1}
+    study_dir = tmp_path / "runs" / "plan"  # a search's runs in TensorBoard's view, each once
+    assert sorted(view_targets(study_dir).values()) == sorted(
+        p.relative_to(study_dir) for p in study_dir.glob("trials/*/seed*"))
     md = write_report(data, tensorboard=False).markdown
     assert "## Coordinate descent (converged)" in md
     assert "| 2 | optimizer.momentum | optimizer.lr=0.3 optimizer.momentum=0.8 | 0.0005 |" in md

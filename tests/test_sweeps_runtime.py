@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -133,6 +134,11 @@ def test_what_the_demo_says_to_run_next_runs_as_printed(tmp_path, monkeypatch):
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
         out[i] = done.stdout
     assert out[2].startswith("study tiny (journal:") and "2/2 runs done" in out[2]
+    # TensorBoard's runs by their short names (the study's view), not their run folders
+    view = runs / "tiny" / "tensorboard"
+    assert sorted(re.findall(r"^Event statistics for (.*):$", out[1], re.MULTILINE)) == [
+        str(view / name) for name in ("hparams", "muon_nes/seed0",
+                                      "muoneq_nes/seed0")]
     # in an activated environment, the bare names
     monkeypatch.setenv("PATH", os.pathsep.join([bin_dir, bare]))
     if (Path(bin_dir) / "muoneq").is_file():

@@ -12,8 +12,9 @@ a command says so in one line, naming the missing module.
 Expected mistakes (:class:`muoneq.suite.errors.UserError`) are printed as one line,
 ``muoneq: <what>; <how to fix>``, with exit status 2 (a full disk 4, a divergence 3, a signal
 130/143), and so is a file or folder the user may not read or write, or a read-only disk
-(:func:`muoneq.suite.files.no_access`); ``--debug`` (anywhere on the command line) or
-``MUONEQ_DEBUG=1`` shows their traceback instead.
+(:func:`muoneq.suite.files.no_access`), and Ctrl-C where a command has no handler of its own
+(``muoneq: <command> interrupted (Ctrl-C)``, status 130); ``--debug`` (anywhere on the
+command line) or ``MUONEQ_DEBUG=1`` shows their traceback instead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from muoneq.suite.errors import UserError, format_error
+from muoneq.suite.errors import Interrupted, UserError, format_error
 from muoneq.suite.files import NO_ACCESS, no_access
 
 #: What installs every command's dependencies (the library alone needs torch and numpy).
@@ -125,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     module = commands[name][0]
     try:
         return int(importlib.import_module(module).main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C where the command handles no signal of its own
+        if debug:
+            raise
+        sys.stderr.write(f"muoneq: {name} interrupted (Ctrl-C)\n")
+        return Interrupted.exit_code
     except (UserError, OSError) as err:
         if debug or not (isinstance(err, UserError) or err.errno in NO_ACCESS):
             raise

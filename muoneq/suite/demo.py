@@ -105,23 +105,28 @@ def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:
     from the current folder (this environment's scripts by path unless it is activated:
     :func:`muoneq.suite.cli.program`)."""
     from muoneq.suite.cli import program
+    from muoneq.suite.sweeps.tensorboard_view import command
 
     runs = [] if runs_dir == Path("runs") else ["--runs-dir", str(runs_dir)]
     status = shlex.join(["sweep", str(study_dir / "sweep.yaml"), *runs, "--status"])
-    logdir = shlex.quote(str(study_dir))
     return [(str(study_dir / "report" / "report.md"),
              "tables, bracketing, speedups, learning curves"),
-            (f"{program('tensorboard', 'tensorboard.main')} --logdir {logdir}",
-             "every run's curves, the HParams view and the report's figures (over 40 runs: "
-             "type seed0 in the runs filter)"),
+            (command(study_dir),
+             "every run's curves by a short name, the HParams view and the report's figures "
+             "(over 40 runs: type seed0 in the runs filter)"),
             (f"{program()} {status}", "the study's counts"),
             (f"{program()} sweep ablation-cifar10 --workers 4",
              "a full-scale study of the paper (GPUs; `make help` in a checkout lists them)")]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="muoneq demo", description=__doc__.split("\n")[0])
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    p = argparse.ArgumentParser(
+        prog="muoneq demo", description="A miniature of the paper's ablation, offline on a CPU "
+        "(make demo): a tiny LLaMA trained by Muon-Nes, MuonEq-Nes R, C, RC and AdamW at three "
+        "learning rates and three seeds each, the report, and where to look next; re-running "
+        "continues where it stopped.")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                   help="folder that holds the study, <runs-dir>/demo/ (default ./runs)")
     p.add_argument("--workers", type=int, default=2, help="trials at once (default 2)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

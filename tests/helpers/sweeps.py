@@ -65,3 +65,36 @@ def session(run_dir: Path) -> tuple[str, dict, dict[str, float]]:
     hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
     scalars = {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
     return start.group_name, hparams, scalars
+
+
+def tensorboard_view(logdir: Path) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """What TensorBoard itself makes of ``tensorboard --logdir logdir``: its runs, by name (its
+    Python loader, the plugin ``EventMultiplexer``), and its HParams plugin's sessions, by name,
+    with their metrics (the plugin's own handler of the session table)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    tb_context = base_plugin.TBContext(data_provider=provider, logdir=str(logdir),
+                                       multiplexer=multiplexer)
+    request = api_pb2.ListSessionGroupsRequest(
+        start_index=0, slice_size=1000,
+        allowed_statuses=[api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE])
+    groups = list_session_groups.Handler(context.RequestContext(),
+                                         backend_context.Context(tb_context), "", request).run()
+    sessions = {s.name: {m.name.tag: m.value for m in s.metric_values}
+                for g in groups.session_groups for s in g.sessions}
+    return sorted(multiplexer.Runs()), sessions
+
+
+def view_targets(study_dir: Path) -> dict[str, Path]:
+    """The study's TensorBoard view: each run's short name → the run folder its link leads to
+    (relative to the study folder)."""
+    view = study_dir / "tensorboard"
+    return {str(link.relative_to(view)): link.resolve().parent.relative_to(study_dir.resolve())
+            for link in view.glob("*/seed*")}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from muoneq.suite.report.build import nothing_to_report, write_report
 from muoneq.suite.report.records import load_study_data
+from muoneq.suite.sweeps.tensorboard_view import command as tensorboard_command
+from muoneq.suite.sweeps.tensorboard_view import study_runs, write_view
 
 
 def main(argv: list[str]) -> int:
@@ -37,7 +39,9 @@ def main(argv: list[str]) -> int:
         print(f"muoneq report: skipped study {data.spec.study} ({data.study_dir}): it {why}")
         return 0
     report = write_report(data, args.out, tensorboard=not args.no_tensorboard)
+    if not args.no_tensorboard:  # the runs by short names, with the report's figures
+        write_view(data.study_dir, study_runs(data.spec, data.trials))
     print(report.markdown)
     print(f"\nwritten to {report.out_dir}/ ({len(report.files)} files); "
-          f"TensorBoard: tensorboard --logdir {data.study_dir}")
+          f"TensorBoard: {tensorboard_command(data.study_dir)}")
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 
 from muoneq.suite.cli import program
+from muoneq.suite.errors import Interrupted
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
@@ -21,6 +22,7 @@ from muoneq.suite.sweeps.plan import describe_plan
 from muoneq.suite.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.suite.sweeps.storage import storage_label
 from muoneq.suite.sweeps.study import existing_study
+from muoneq.suite.sweeps.tensorboard_view import command as tensorboard_command
 from muoneq.suite.sweeps.validate import point_check, preflight, search_points
 
 
@@ -79,9 +81,14 @@ def main(argv: list[str]) -> int:
         raise
     except ValueError as err:  # e.g. a malformed --storage URL
         raise SweepError(str(err)) from None
+    except KeyboardInterrupt:  # Ctrl-C before the driver handles signals (Driver.run)
+        raise Interrupted("sweep interrupted (Ctrl-C) while checking the study, before any "
+                          "trial started; run the same command to start it") from None
     where = storage_label(args.storage, driver.study_dir)
     logging.info("study %s on %s, %d worker(s), runs in %s", spec.study, where, args.workers,
                  driver.study_dir)
+    logging.info("curves as they come, each run by a short name: %s",
+                 tensorboard_command(driver.study_dir))
     s = driver.run()
     again = f"{program()} sweep {shlex.join(argv)}"
     print(f"study {spec.study}: {s.done}/{s.total} runs done"

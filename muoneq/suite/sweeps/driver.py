@@ -18,7 +18,9 @@ threads in one process, several processes, several machines on one RDB storage) 
   hold the last runs (it takes them over if their driver dies);
 * **crashes**: a trial whose driver died is recognised (same machine: the driver's lock file is
   free; other machines: no heartbeat for ``retry.stale_after_s``). If its process finished,
-  its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for;
+  its ``metrics.json`` is told; if the process still runs, the trial is adopted and waited for
+  (and stopped by SIGINT or SIGTERM as the driver's own trials are: its ``trial.json`` records
+  its process id and host);
   otherwise it is told FAIL and re-queued, up to ``retry.max_retries`` times. A run folder that
   already holds ``metrics.json`` is told, never run again;
 * **config errors**: before the study is created or continued, the preflight checks the study's
@@ -57,6 +59,7 @@ from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
 from muoneq.suite.sweeps.spec import Launch, SweepError, SweepSpec
 from muoneq.suite.sweeps.study import open_study
+from muoneq.suite.sweeps.tensorboard_view import StudyView
 from muoneq.suite.sweeps.validate import point_check, preflight
 
 log = logging.getLogger("muoneq.suite.sweeps")
@@ -112,6 +115,8 @@ class Driver:
         check = point_check(spec, self.study_dir) if spec.bracket is not None else None
         self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
         hparams.write_experiment(spec, self.study_dir)
+        self.view = StudyView(spec, self.study_dir)  # runs by short names, for TensorBoard
+        self.view.update(self.ledger.trials())
         self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.threads = thread_defaults(spec, self.opts.workers)
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
@@ -131,6 +136,8 @@ class Driver:
             while not self.stop.is_set():
                 with self._lock:
                     job = self.scheduler.next_job()
+                    if job is not None and not isinstance(job, Wait):
+                        self.view.update(self.ledger.trials())
                 if job is None:
                     return
                 if isinstance(job, Wait):

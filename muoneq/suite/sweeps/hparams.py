@@ -1,7 +1,7 @@
 """TensorBoard's HParams view of a study: its sensitivity view (table, parallel coordinates,
 scatter plots) over the swept axes, with the study's own metrics.
 
-``tensorboard --logdir runs/<study>`` finds
+``tensorboard --logdir runs/<study>/tensorboard`` finds
 
 * one experiment config for the whole study, in ``<study>/hparams/`` (written by each driver
   when it starts): the swept axes (those of more than one value), plus the optimizer and
@@ -12,9 +12,10 @@ scatter plots) over the swept axes, with the study's own metrics.
   is better;
 * one session per finished run, in its own event file (``*.hparams``) beside the run's curves
   in ``<run dir>/tensorboard/`` (written when its trial is told), so that each run is one
-  TensorBoard run: its point's values, its optimizer and mode as the run's ``config.yaml``
-  records them, grouped by its swept values (``lr=0.002 momentum=0.95``: its seeds are one row,
-  TensorBoard shows their mean; the run's folder is named by its whole point), and the final
+  TensorBoard run (named as the run is: by its short name in the study's view,
+  :mod:`muoneq.suite.sweeps.tensorboard_view`): its point's values, its optimizer and mode as
+  the run's ``config.yaml`` records them, grouped by its swept values (``lr=0.002
+  momentum=0.95``: its seeds are one row, TensorBoard shows their mean), and the final
   value of each declared metric from its ``metrics.json`` as a scalar at the run's last global
   step. An integer axis (K) is declared as text, so that TensorBoard shows ``5``, not the
   ``5.0000`` it prints for every number.
@@ -42,6 +43,7 @@ from muoneq.suite.runtime.metrics import TENSORBOARD_DIR
 from muoneq.suite.sweeps.events import EVENT_GLOB, HPARAMS_DIR, SESSION_SUFFIX
 from muoneq.suite.sweeps.report_spec import metrics_named
 from muoneq.suite.sweeps.spec import Point, SweepSpec, format_value
+from muoneq.suite.sweeps.tensorboard_view import label
 
 #: settings shown beside the axes, read from a run's config.yaml: the optimizer and its mode
 EXTRA = ("optimizer", "optimizer.mode")
@@ -113,8 +115,7 @@ def group_name(spec: SweepSpec, point: Point) -> str:
     """A run's row in the HParams table: its swept axes' values (``lr=0.002 mode=R``), short
     enough for the table's Trial ID column; its seeds share it."""
     axes = swept(spec)
-    return " ".join(f"{a.removeprefix('optimizer.')}={format_value(v)}"
-                    for a, v in point.items if a in axes) or point.key
+    return " ".join(label(a, v, exact=True) for a, v in point.items if a in axes) or point.key
 
 
 def write_experiment(spec: SweepSpec, study_dir: Path) -> None:

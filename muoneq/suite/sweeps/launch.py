@@ -4,7 +4,9 @@ The trial contract: the command writes ``<run dir>/metrics.json`` as its very la
 (TensorBoard logs go under the run folder too). The driver adds three files of its own:
 
 * ``trial.json``: what the folder was run with (its fingerprint: experiment, overrides, seed), so
-  a result is never reused for different settings;
+  a result is never reused for different settings, and where: the host, and the process id once
+  it started, so that a driver that adopts the run after its own driver died can stop it
+  (:func:`stop_holder`);
 * ``trial.log``: the process's stdout and stderr, one header per attempt;
 * ``.trial.lock``: an exclusive ``flock`` taken by the driver and *inherited by the trial
   process*: it stays held while the process lives, even if the driver is killed, so a restarted
@@ -204,12 +206,11 @@ STOPPED_BY = {"interrupted": "the sweep was interrupted", "pruned": "Optuna's pr
               "timeout": "it ran past launch.timeout_s"}
 
 
-def stopped_message(reason: str, proc: subprocess.Popen, tail: str) -> str:
-    """One line on a process the driver stopped: why, its exit status, and its own last
-    ``muoneq:`` line (where it saved its step), if any; ``trial.log`` holds the rest."""
+def stopped_message(reason: str, how: str, tail: str) -> str:
+    """One line on a process the driver stopped: why, how it ended (``how``), and its own
+    last ``muoneq:`` line (where it saved its step), if any; ``trial.log`` holds the rest."""
     said = [line for line in tail.splitlines() if line.startswith("muoneq: ")]
-    return (f"{STOPPED_BY[reason]}; the process exited with status {proc.returncode}"
-            + (f": {said[-1]}" if said else ""))
+    return f"{STOPPED_BY[reason]}; {how}" + (f": {said[-1]}" if said else "")
 
 
 def run_process(
@@ -247,6 +248,12 @@ def run_process(
                 list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=dict(env), start_new_session=True, pass_fds=(fd,),
             )
+            try:
+                atomic_write(run_dir / RECORD_NAME, json.dumps({**record, "pid": proc.pid},
+                                                               indent=1))
+            except BaseException:  # never leave a process running that no record names
+                _stop(proc)
+                raise
             start, reason = time.monotonic(), None
             while True:
                 try:
@@ -266,7 +273,8 @@ def run_process(
     metrics = read_metrics(run_dir)
     tail = log_tail(run_dir)
     if reason:
-        return Outcome(reason, metrics, proc.returncode, stopped_message(reason, proc, tail))
+        return Outcome(reason, metrics, proc.returncode, stopped_message(
+            reason, f"the process exited with status {proc.returncode}", tail))
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
         return Outcome("complete", metrics, proc.returncode)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
@@ -277,14 +285,70 @@ def run_process(
 def wait_for_release(
     run_dir: Path, *, on_tick: Callable[[], str | None], tick_s: float = 1.0
 ) -> Outcome:
-    """Adopt a run whose driver died while its process lives on: wait for it, read its result."""
+    """Adopt a run whose driver died while its process lives on: wait for it, read its result.
+    Interrupted, stop it as :func:`run_process` stops its own (:func:`stop_holder`); a process
+    this driver cannot stop (its pid unrecorded) is left running, and said so."""
     while is_active(run_dir):
         reason = on_tick()
         if reason:
-            return Outcome(reason, message="stopped waiting for an adopted run (still running)")
+            pid = stop_holder(run_dir) if reason == "interrupted" else None
+            if pid is None:
+                return Outcome(reason, message="stopped waiting for an adopted run, left "
+                                               "running: no id of its process on this machine "
+                                               "is recorded")
+            return Outcome(reason, read_metrics(run_dir), message=stopped_message(
+                reason, f"its process {pid}, adopted from a driver that died, was stopped",
+                log_tail(run_dir)))
         time.sleep(tick_s)
     metrics = read_metrics(run_dir)
     if metrics is not None:
         return Outcome("complete", metrics)
     return Outcome("failed",
                    message=f"adopted run ended without {METRICS_FILE}\n{log_tail(run_dir)}")
+
+
+def holder(run_dir: Path) -> int | None:
+    """The id of the live process that holds ``run_dir`` (its lock) when ``trial.json`` records
+    it and it runs on this machine, else None. The id is checked against the process itself,
+    so that a reused id (the process ended) is never taken for it: on Linux the process must
+    have the folder's lock file open; elsewhere it must lead a process group of its own, as
+    a trial does (it starts in a session of its own)."""
+    try:
+        record = json.loads((Path(run_dir) / RECORD_NAME).read_text())
+        pid, host = record.get("pid"), record.get("host")
+    except (OSError, ValueError, AttributeError):  # gone, damaged: nothing to go by
+        return None
+    if not isinstance(pid, int) or host != socket.gethostname() or not is_active(run_dir):
+        return None
+    if not Path("/proc/self/fd").is_dir():
+        try:
+            return pid if os.getpgid(pid) == pid else None
+        except ProcessLookupError:
+            return None
+    lock = os.path.realpath(Path(run_dir) / LOCK_NAME)
+    try:
+        opened = [os.path.realpath(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:  # gone, or another user's
+        return None
+    return pid if lock in opened else None
+
+
+def stop_holder(run_dir: Path, grace_s: float = KILL_GRACE_S, poll_s: float = 0.1) -> int | None:
+    """Stop the process that holds ``run_dir`` (:func:`holder`) as the driver stops its own
+    trials: SIGTERM to its process group (it saves its step), SIGKILL when the folder is still
+    held ``grace_s`` later; waits until it is released. Its id, or None when there is none this
+    driver may stop (another machine's, or unrecorded: a run started by an older version)."""
+    pid = holder(run_dir)
+    if pid is None:
+        return None
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace_s
+        while is_active(run_dir) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        if not is_active(run_dir):
+            break
+    return pid

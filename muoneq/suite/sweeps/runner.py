@@ -63,14 +63,15 @@ class Runner:
         self.ledger.record(job.number, job.key, verdict)
 
     def _adopt(self, job: Adopt) -> list[launch.Outcome] | None:
-        """Wait for the adopted processes; None when interrupted (the trial is left for the
-        next driver: its process is not ours to stop)."""
+        """Wait for the adopted processes (interrupted, stopped as this driver's own); None
+        when interrupted while one this driver could not stop runs on (the trial is left for
+        the next driver)."""
         tick = Ticker(self, job.number)
         outcomes = []
         for seed in job.seeds:
-            outcome = launch.wait_for_release(job.point.run_dir(self.study_dir, seed),
-                                              on_tick=tick, tick_s=self.tick_s)
-            if outcome.status == "interrupted":
+            run_dir = job.point.run_dir(self.study_dir, seed)
+            outcome = launch.wait_for_release(run_dir, on_tick=tick, tick_s=self.tick_s)
+            if outcome.status == "interrupted" and launch.is_active(run_dir):
                 return None
             outcomes.append(outcome)
             if outcome.status != "complete":
