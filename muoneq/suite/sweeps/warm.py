@@ -588,6 +588,13 @@ class Server:
             self._sock = None
 
 
+def describe(module: str | None, why: str) -> str:
+    """How trials start (:func:`~muoneq.suite.sweeps.spec.warm_module`'s answer), in words."""
+    if module is None:
+        return f"each trial is spawned as its own command ({why})"
+    return f"trials start warm: one server imports the runtime once and forks each trial ({why})"
+
+
 class Launcher:
     """How one driver starts its trials: forked by a warm :class:`Server` (``launch.warm``,
     :func:`warm_module`), or spawned as their command; the choice and every fallback are
@@ -606,10 +613,7 @@ class Launcher:
 
     def describe(self) -> str:
         """One line for the driver's log: how trials start, and why."""
-        if self.module is None:
-            return f"each trial is spawned as its own command ({self.why})"
-        return (f"trials start warm: one server imports the runtime once and forks each trial "
-                f"({self.why})")
+        return describe(self.module, self.why)
 
     def open(self) -> None:
         """Start the server (its imports run while the driver plans), when trials run warm."""
