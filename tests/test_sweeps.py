@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 import muoneq
 from muoneq.suite.sweeps import Driver, SweepError, load_sweep
 from muoneq.suite.sweeps.validate import check_trials
-from tests.helpers.sweeps import COMMAND, REPO, load, options, write_sweep
+from tests.helpers.sweeps import COMMAND, REPO, WARM_LAUNCH, load, options, write_sweep
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function
 #: (helpers.sweeps.COMMAND); pruning needs a learning curve: a real optimization (this program)
@@ -224,8 +224,12 @@ def sweep_cli(sweep: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_killed_driver_loses_and_repeats_nothing(tmp_path):
-    sweep = write_sweep(tmp_path / "s.yaml", overrides=["steps=20", "sleep_s=1.5"])
+@pytest.mark.parametrize("started", ["spawned", "warm"])
+def test_killed_driver_loses_and_repeats_nothing(tmp_path, started):
+    """A driver killed with SIGKILL: its running trials live on (a warm server ends with its
+    driver, its trials do not), and the next driver adopts or tells them."""
+    launched = {"launch": WARM_LAUNCH} if started == "warm" else {}
+    sweep = write_sweep(tmp_path / "s.yaml", overrides=["steps=20", "sleep_s=1.5"], **launched)
     study_dir = tmp_path / "runs" / "tiny"
     proc = subprocess.Popen(sweep_cli(sweep, tmp_path, "--workers", "2"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -235,6 +239,14 @@ def test_killed_driver_loses_and_repeats_nothing(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    records = [json.loads(p.read_text()) for p in study_dir.glob("trials/*/*/trial.json")]
+    servers = {r["process"] for r in records if "process" in r}
+    assert (servers == {"spawned"}) == (started == "spawned")
+    for server in servers - {"spawned"}:  # it ends as its driver's end of the socket closes
+        pid = int(server.split("pid ")[1].rstrip(")"))
+        while _running(pid):
+            assert time.time() < deadline + 60, "the warm server outlived its driver"
+            time.sleep(0.1)
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns)
               for p in study_dir.glob("trials/*/*/metrics.json")}
     assert len(before) < 4
@@ -244,6 +256,14 @@ def test_killed_driver_loses_and_repeats_nothing(tmp_path):
     assert_each_run_once(load(tmp_path), study_dir, expected=4)
     for path, (content, mtime) in before.items():
         assert (path.read_bytes(), path.stat().st_mtime_ns) == (content, mtime)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 #: three runs for two drivers of one worker each: both get work

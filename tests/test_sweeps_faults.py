@@ -6,6 +6,7 @@ clock, Ctrl-C on a running sweep."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shlex
 import signal
@@ -21,13 +22,13 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from muoneq.suite.errors import DiskFull
-from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep
+from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep, warm
 from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
 from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
 from tests.helpers.commands import clean_env
-from tests.helpers.sweeps import OBJECTIVE, load, options, write_sweep
+from tests.helpers.sweeps import OBJECTIVE, WARM_LAUNCH, load, options, write_sweep
 
 
 def trials_of(storage) -> list[tuple]:
@@ -331,12 +332,14 @@ def test_a_run_that_found_the_disk_full_stops_the_sweep_at_once(tmp_path, capsys
                               storage=open_storage(None, runs / "tiny")).get_trials()[0]
     assert trial.user_attrs["outcome"] == "disk_full"  # not a failure: no retry used up
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs the objective program (a pid that was reaped may be
-    reused by an unrelated process)."""
+    """Whether process ``pid`` still runs the objective program, spawned or forked by a warm
+    server (a pid that was reaped may be reused by an unrelated process)."""
     try:
-        return str(OBJECTIVE) in Path(f"/proc/{pid}/cmdline").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_text()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
         return False
+    return state != "Z" and (str(OBJECTIVE) in command or warm.SERVER_MAIN in command)
 
 
 def _wait_for(condition, process: subprocess.Popen, what: str, log: Path,
@@ -352,16 +355,19 @@ def _wait_for(condition, process: subprocess.Popen, what: str, log: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
-def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue(tmp_path,
-                                                                                 workers):
+@pytest.mark.parametrize(("workers", "started"), [(1, "spawned"), (2, "spawned"), (2, "warm")])
+def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue(
+        tmp_path, workers, started, monkeypatch):
     """Ctrl-C in the terminal of a real ``muoneq sweep`` while its trial processes run: each
     trial gets SIGTERM (and saves), the driver waits for them, exits 130 and prints the command
     that continues; no trial process outlives it (on Python 3.11 and 3.12 a KeyboardInterrupt
-    in the driver's join let it exit at once while its trials trained on)."""
+    in the driver's join let it exit at once while its trials trained on), nor a warm server
+    (its trials forked by it: ``launch.warm``)."""
     optimizers = ["muon_nes", "muoneq_nes"][:workers]
+    launched = {"launch": WARM_LAUNCH} if started == "warm" else {}
+    monkeypatch.chdir(Path(__file__).parents[1])  # the objective program runs as its module
     path = write_sweep(tmp_path / "s.yaml", seeds=[0], overrides=["steps=20", "sleep_s=600"],
-                       grid=[{"optimizer": optimizers, "optimizer.lr": [0.02]}])
+                       grid=[{"optimizer": optimizers, "optimizer.lr": [0.02]}], **launched)
     runs = tmp_path / "runs"
     argv = ["sweep", str(path), "--workers", str(workers), "--runs-dir", str(runs)]
     log = tmp_path / "sweep.log"
@@ -378,10 +384,16 @@ def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue
         _wait_for(lambda: all(p.is_file() and p.read_text() for p in pid_files), sweep,
                   "the trials to start", log)
         pids[:] = [int(p.read_text()) for p in pid_files]
+        records = [json.loads((p.parent / launch.RECORD_NAME).read_text()) for p in pid_files]
+        assert [r["pid"] for r in records] == pids
+        servers = {int(r["process"].split("pid ")[1].rstrip(")")) for r in records
+                   if r["process"] != "spawned"}
+        assert len(servers) == (started == "warm")
+        pids += servers
         os.killpg(sweep.pid, signal.SIGINT)
         sweep.wait(timeout=300)
         assert sweep.returncode == 130, log.read_text()[-3000:]
-        assert [_alive(pid) for pid in pids] == [False] * workers
+        assert [_alive(pid) for pid in pids] == [False] * len(pids)
         for p in pid_files:
             assert (p.parent / "checkpoint").read_text() == "SIGTERM"
         lines = log.read_text().splitlines()

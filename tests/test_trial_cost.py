@@ -264,12 +264,16 @@ def test_make_bench_trial_quick_says_what_it_measured(tmp_path):
     done = make("bench-trial", "QUICK=1", f"OUT={tmp_path}", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "trial_cpu_quick.json").read_text())
-    phases = result["phases"]["phases_s"]
-    assert list(phases)[:3] == ["interpreter start", "imports", "config"]
-    assert "other 9 steps" in phases and list(phases)[-1] == "exit"
-    assert sum(phases.values()) == pytest.approx(result["phases"]["wall_s"], rel=1e-6)
+    for part in ("phases", "warm"):  # spawned as its command, forked by a warm server
+        phases = result[part]["phases_s"]
+        assert list(phases)[:3] == ["process start", "imports", "config"]
+        assert "other 9 steps" in phases and list(phases)[-1] == "exit"
+        assert sum(phases.values()) == pytest.approx(result[part]["wall_s"], rel=1e-6)
+        assert 0 < result[part]["to_first_step_s"] < result[part]["wall_s"]
+    assert result["warm"]["server_ready_s"] > 0
     for name in ("llama", "resnet"):
         loop = result["loop"][name]
         assert loop["raw_steps"] >= 2 and loop["loop_factor"] > 0 and loop["step_factor"] > 0
     assert "QUICK RUN: smoke values" in done.stdout
-    assert "| phase | s | share |" in done.stdout and "| workload | steps |" in done.stdout
+    assert "| phase | spawned s | share | warm s | share |" in done.stdout
+    assert "| workload | steps |" in done.stdout

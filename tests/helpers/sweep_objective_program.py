@@ -12,9 +12,13 @@ bookkeeping, not a training run. Other ``key=value`` words
 ``fail_first=true`` the first attempt in a folder exits with status 3 (leaving
 ``failed_once``); with ``config_error=true`` every attempt exits at once with status 2, as
 ``muoneq`` does for a config error; with ``disk_full=true``, with status 4 and the line
-``muoneq train`` prints for a full disk. It writes its process id to ``pid`` and its
-``OMP_NUM_THREADS`` to ``threads`` when it starts, and on SIGTERM writes ``checkpoint`` (as
-``muoneq train`` saves its step) and exits with status 143.
+``muoneq train`` prints for a full disk; with ``block_first=true`` the first attempt in a folder
+(leaving ``blocked_once``) sleeps until it is killed. It writes its process id to ``pid``, its
+``OMP_NUM_THREADS`` to ``threads`` and, when torch is already imported (a warm trial: its server
+imported it), torch's CPU threads to ``torch_threads`` when it starts, and on SIGTERM writes
+``checkpoint`` (as ``muoneq train`` saves its step) and exits with status 143. Run as a module
+(``python -m tests.helpers.sweep_objective_program``) it can be forked by a warm server
+(``launch.warm: true``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, save_and_exit)
     (run_dir / "pid").write_text(str(os.getpid()))
     (run_dir / "threads").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        (run_dir / "torch_threads").write_text(str(torch.get_num_threads()))
     with (run_dir / "starts.log").open("a") as fh:
         fh.write(f"{time.time()}\n")
     if args.get("config_error") == "true":
@@ -59,6 +66,9 @@ def main(argv: list[str]) -> int:
               "000000004.ckpt (0.00 GiB free); free space there (old runs, checkpoints) or write "
               "to a larger disk; then continue the run with resume=auto", file=sys.stderr)
         return 4
+    if args.get("block_first") == "true" and not (run_dir / "blocked_once").exists():
+        (run_dir / "blocked_once").write_text("")
+        time.sleep(3600)
     time.sleep(float(args.get("sleep_s", "0")))
     if args.get("fail_first") == "true" and not (run_dir / "failed_once").exists():
         (run_dir / "failed_once").write_text("")

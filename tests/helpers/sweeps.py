@@ -22,6 +22,9 @@ from muoneq.suite.sweeps.storage import open_storage
 OBJECTIVE = Path(__file__).with_name("sweep_objective_program.py")
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = f"{{python}} {OBJECTIVE} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+#: the same program as a module, which a warm server forks (run from the checkout's root)
+WARM_LAUNCH = {"command": "{python} -m tests.helpers.sweep_objective_program {overrides} "
+                          "seed={seed} run.dir={run_dir}", "warm": True}
 
 
 def write_sweep(path: Path, **fields) -> Path:

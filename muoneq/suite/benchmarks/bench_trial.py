@@ -6,10 +6,13 @@ Two parts, each printed as a table and written to ``runs/bench/trial_<device>.js
 1. ``phases``: one trial of ``make demo`` (its first run: a tiny LLaMA, 100 steps, validated
    every 5) run as the sweep runs it (:func:`muoneq.suite.sweeps.launch.trial_command`: the
    same arguments and environment, a process of its own) and traced from inside
-   (:class:`~muoneq.suite.benchmarks.run_trace.RunTrace`): interpreter start, imports, config,
-   model build, trainer and run folder, data set-up, the rest of the set-up, the first batch,
-   the first step, the other steps, the validations, the rest of the training loop, what
-   follows the fit (final validation, test, ``metrics.json``) and the process's exit.
+   (:class:`~muoneq.suite.benchmarks.run_trace.RunTrace`): process start (the interpreter's),
+   imports, config, model build, trainer and run folder, data set-up, the rest of the set-up,
+   the first batch, the first step, the other steps, the validations, the rest of the training
+   loop, what follows the fit (final validation, test, ``metrics.json``) and the process's exit.
+   ``warm``: the same trial forked by a warm server (:mod:`muoneq.suite.sweeps.warm`, as
+   ``make demo`` runs its trials), traced the same way (process start: from the request to the
+   fork to its first statement), and what the server's start took (once per sweep).
 2. ``loop``: per workload (``llama``: that demo trial; ``resnet``: the CIFAR-10 recipe's
    ResNet-18 at width 8 on 2,560 synthetic images, one epoch, its test pass on 512), in this
    process, the run through :func:`muoneq.suite.runtime.train` with a trace and, between its own
@@ -61,6 +64,12 @@ WORKLOADS = {
 #: The child process of ``phases``: its first statement reads the clock.
 CHILD = ("import time; started = time.time(); "
          "from muoneq.suite.benchmarks.bench_trial import traced_trial; traced_trial(started)")
+#: The same, as a module a warm server forks (:mod:`~muoneq.suite.benchmarks.trial_child`).
+WARM_CHILD = "muoneq.suite.benchmarks.trial_child"
+#: The first phase of a trial: from its start to its first statement.
+PROCESS_START = "process start"
+#: The parts, in order.
+PARTS = ("phases", "warm", "loop")
 
 
 def load() -> list[float]:
@@ -141,7 +150,7 @@ def phase_table(spawned: float, exited: float, traced: dict) -> dict[str, float]
     train_end = t["marks"]["train_end"]
     after_evals = sum(e["end"] - e["start"] for e in after)
     return {
-        "interpreter start": m["started"] - spawned,
+        PROCESS_START: m["started"] - spawned,
         "imports": (m["cli_imported"] - m["started"]) + (m["imported"] - m["composed"]),
         "config": m["composed"] - m["cli_imported"],
         "model build": m["built"] - m["imported"],
@@ -163,8 +172,7 @@ def part_phases(folder: Path, quick: bool) -> dict:
     """Run the demo's first trial in a process of its own, traced (see the module docstring)."""
     argv, env = demo_trial(folder, quick)
     out = folder / "phases.json"
-    run_dir = next(a.partition("=")[2] for a in argv if a.startswith("run.dir="))
-    _remove_run(Path(run_dir))
+    _remove_run(_run_dir(argv))
     before = load()
     spawned = time.time()
     done = subprocess.run([sys.executable, "-c", CHILD, str(out), *argv], env=env,
@@ -172,12 +180,56 @@ def part_phases(folder: Path, quick: bool) -> dict:
     exited = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"the traced trial failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    traced = json.loads(out.read_text())
-    first_step_end = traced["trace"]["steps"][0][1]
-    return {"load_before": before, "load_after": load(), "wall_s": exited - spawned,
-            "to_first_step_s": first_step_end - spawned,
-            "phases_s": phase_table(spawned, exited, traced), "argv": argv,
+    return {"load_before": before, "load_after": load(),
+            **_phases(spawned, exited, json.loads(out.read_text())), "argv": argv,
             "threads_env": env.get("OMP_NUM_THREADS")}
+
+
+def part_warm(folder: Path, quick: bool) -> dict:
+    """The same trial forked by a warm server, as the demo's sweep starts its trials."""
+    import fcntl
+    import threading
+
+    from muoneq.suite.sweeps import launch, warm
+
+    argv, env = demo_trial(folder, quick)
+    out = folder / "phases_warm.json"
+    run_dir = _run_dir(argv)
+    _remove_run(run_dir)
+    before = load()
+    server = warm.Server(warm.RUNTIME_MODULE, env, folder / warm.SERVER_LOG)
+    server.start()
+    try:
+        server.wait_ready(threading.Event())
+        ready = time.monotonic() - server.started
+        run_dir.mkdir(parents=True)
+        lock = os.open(run_dir / launch.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with (folder / "trial_warm.log").open("wb") as log:
+                spawned = time.time()
+                trial = server.fork([sys.executable, "-m", WARM_CHILD, str(out), *argv],
+                                    WARM_CHILD, env, log.fileno(), lock)
+                code = trial.wait()
+                exited = time.time()
+        finally:
+            os.close(lock)
+    finally:
+        server.close()
+    if code != 0:
+        raise RuntimeError(f"the traced warm trial failed ({code}): see {log.name}")
+    return {"load_before": before, "load_after": load(), "server_ready_s": ready,
+            **_phases(spawned, exited, json.loads(out.read_text()))}
+
+
+def _run_dir(argv: list[str]) -> Path:
+    return Path(next(a.partition("=")[2] for a in argv if a.startswith("run.dir=")))
+
+
+def _phases(spawned: float, exited: float, traced: dict) -> dict:
+    return {"wall_s": exited - spawned,
+            "to_first_step_s": traced["trace"]["steps"][0][1] - spawned,
+            "phases_s": phase_table(spawned, exited, traced)}
 
 
 def _remove_run(run_dir: Path) -> None:
@@ -349,15 +401,27 @@ def tables(result: dict) -> str:
     smoke = " (QUICK RUN: smoke values)" if result["quick"] else ""
     lines = [f"{result['device']}, torch {result['torch']}, {result['threads']} thread(s) in "
              f"the loop part; load averages (1/5/15 min) given per part{smoke}", ""]
-    phases = result.get("phases")
-    if phases:
-        lines += [f"**One demo trial, as its sweep runs it** ({phases['wall_s']:.1f} s in all, "
-                  f"{phases['to_first_step_s']:.1f} s to the end of its first step; load "
-                  f"{phases['load_before']} → {phases['load_after']})", "",
-                  "| phase | s | share |", "|---|---:|---:|"]
-        total = sum(phases["phases_s"].values())
-        lines += [f"| {name} | {s:.2f} | {s / total:.0%} |"
-                  for name, s in phases["phases_s"].items()]
+    runs = {name: result[part] for name, part in (("spawned", "phases"), ("warm", "warm"))
+            if part in result}
+    if runs:
+        lines += ["**One demo trial, as its sweep runs it**: spawned as its command, or forked "
+                  "by a warm server", ""]
+        for name, r in runs.items():
+            server = (f"; the server was ready {r['server_ready_s']:.1f} s after its start "
+                      "(once per sweep)" if "server_ready_s" in r else "")
+            lines.append(f"- {name}: {r['wall_s']:.1f} s in all, {r['to_first_step_s']:.1f} s "
+                         f"to the end of its first step; load {r['load_before']} → "
+                         f"{r['load_after']}{server}")
+        names = list(next(iter(runs.values()))["phases_s"])
+        lines += ["", "| phase | " + " | ".join(f"{n} s | share" for n in runs) + " |",
+                  "|---|" + "---:|---:|" * len(runs)]
+        totals = {n: sum(r["phases_s"].values()) for n, r in runs.items()}
+        for i, phase in enumerate(names):
+            cells = []
+            for n, r in runs.items():
+                s = list(r["phases_s"].values())[i]
+                cells.append(f"{s:.2f} | {s / totals[n]:.0%}")
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
         lines.append("")
     loops = result.get("loop", {})
     if loops:
@@ -382,7 +446,8 @@ def tables(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="muoneq bench-trial",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="phases,loop", help="comma-separated: phases, loop")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"of the loop part, comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--threads", type=int, default=1,
@@ -393,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if not parts or set(parts) - {"phases", "loop"}:
-        parser.error(f"--parts: expected phases and/or loop, got {args.parts!r}")
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts: allowed: {', '.join(PARTS)}; got {args.parts!r}")
     if not workloads or set(workloads) - set(WORKLOADS):
         parser.error(f"--workloads: allowed: {', '.join(WORKLOADS)}; got {args.workloads!r}")
     if args.threads < 1:
@@ -415,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
               "commit": git_commit(), "cpus": os.cpu_count()}
     if "phases" in parts:
         result["phases"] = part_phases(folder, args.quick)
+    if "warm" in parts:
+        result["warm"] = part_warm(folder, args.quick)
     if "loop" in parts:
         result["loop"] = {w: part_loop(w, folder, args.quick) for w in workloads}
     path = args.out / f"trial_cpu{'_quick' if args.quick else ''}.json"

@@ -178,11 +178,13 @@ class Driver:
                    for i in range(self.opts.workers)]
         previous = self._catch_signals()
         try:
+            self.runner.launcher.open()
             for th in threads:
                 th.start()
             for th in threads:
                 th.join()
         finally:
+            self.runner.launcher.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             os.close(lock_fd)

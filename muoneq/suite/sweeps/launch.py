@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import IO
 
 from muoneq.suite.files import atomic_write
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
@@ -96,6 +97,20 @@ def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
     return {THREADS_ENV: str(max(1, cores() // workers))}
 
 
+def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
+              env_defaults: Mapping[str, str] = MappingProxyType({}),
+              study_dir: Path | None = None) -> dict[str, str]:
+    """The environment of a trial on ``devices`` (see :func:`trial_command`)."""
+    # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
+    env = {**env_defaults, **os.environ, HPARAMS_ENV: "0",
+           **{k: str(v) for k, v in spec.launch.env.items()}}
+    if spec.launch.devices_per_trial:
+        env[spec.launch.device_env] = ",".join(devices)
+    if study_dir is not None:
+        env.setdefault(COMPILE_CACHE_ENV, str(Path(study_dir).resolve() / COMPILE_CACHE))
+    return env
+
+
 def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
                   devices: Sequence[str] = (), worker: int = 0,
                   env_defaults: Mapping[str, str] = MappingProxyType({}),
@@ -112,13 +127,7 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
               "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
-    # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
-    env = {**env_defaults, **os.environ, HPARAMS_ENV: "0",
-           **{k: str(v) for k, v in spec.launch.env.items()}}
-    if spec.launch.devices_per_trial:
-        env[spec.launch.device_env] = fields["devices"]
-    if study_dir is not None:
-        env.setdefault(COMPILE_CACHE_ENV, str(Path(study_dir).resolve() / COMPILE_CACHE))
+    env = trial_env(spec, devices, env_defaults, study_dir)
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
     return argv, env, fingerprint
 
@@ -187,11 +196,27 @@ def log_tail(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _stop(proc: subprocess.Popen) -> None:
+class Spawned(subprocess.Popen):
+    """A trial process started as its command, in a session of its own."""
+
+    how = "spawned"
+
+    def killpg(self, signum: int) -> None:
+        """Signal its process group (it is not reaped before :meth:`wait` returns)."""
+        os.killpg(self.pid, signum)
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], out: IO[bytes], lock_fd: int) -> Spawned:
+    """Start ``argv`` with its output to ``out``, holding the lock ``lock_fd``."""
+    return Spawned(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                   env=dict(env), start_new_session=True, pass_fds=(lock_fd,))
+
+
+def _stop(proc) -> None:
     """SIGTERM the trial's process group, SIGKILL it after :data:`KILL_GRACE_S`."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
         try:
-            os.killpg(proc.pid, sig)
+            proc.killpg(sig)
         except ProcessLookupError:
             break
         try:
@@ -213,6 +238,20 @@ def stopped_message(reason: str, how: str, tail: str) -> str:
     return f"{STOPPED_BY[reason]}; {how}" + (f": {said[-1]}" if said else "")
 
 
+def exit_words(proc) -> str:
+    """How a trial's process ended, in words: its exit status, or that it is unknown (a warm
+    trial whose server died: :mod:`muoneq.suite.sweeps.warm`)."""
+    if proc.returncode is None:
+        return "ended; its exit status was lost with the warm server that forked it"
+    return f"exited with status {proc.returncode}"
+
+
+#: what starts a trial's process: ``start(argv, env, out, lock_fd)`` (:func:`spawn`, or
+#: :meth:`muoneq.suite.sweeps.warm.Launcher.start`), a process with ``pid``, ``returncode``,
+#: ``wait(timeout)``, ``killpg(signum)`` and ``how`` it started
+Start = Callable[[Sequence[str], Mapping[str, str], IO[bytes], int], object]
+
+
 def run_process(
     argv: Sequence[str],
     run_dir: Path,
@@ -222,12 +261,15 @@ def run_process(
     on_tick: Callable[[], str | None],
     tick_s: float = 1.0,
     timeout_s: float | None = None,
+    start: Start = spawn,
 ) -> Outcome:
-    """Run ``argv`` for ``run_dir`` and return its :class:`Outcome`.
+    """Run ``argv`` for ``run_dir`` (started by ``start``) and return its :class:`Outcome`.
 
     ``on_tick`` is called about every ``tick_s`` seconds while the process runs (heartbeats,
     pruning); returning ``"pruned"`` or ``"interrupted"`` stops the process group.
     """
+    from muoneq.suite.sweeps.warm import Interrupted
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_trial_fingerprint(run_dir, fingerprint)
@@ -244,24 +286,24 @@ def run_process(
         with (run_dir / LOG_NAME).open("ab") as log:
             log.write(f"\n=== {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=dict(env), start_new_session=True, pass_fds=(fd,),
-            )
             try:
-                atomic_write(run_dir / RECORD_NAME, json.dumps({**record, "pid": proc.pid},
-                                                               indent=1))
+                proc = start(argv, env, log, fd)
+            except Interrupted as err:
+                return Outcome("interrupted", message=str(err))
+            record.update(pid=proc.pid, process=proc.how)
+            try:
+                atomic_write(run_dir / RECORD_NAME, json.dumps(record, indent=1))
             except BaseException:  # never leave a process running that no record names
                 _stop(proc)
                 raise
-            start, reason = time.monotonic(), None
+            start_time, reason = time.monotonic(), None
             while True:
                 try:
                     proc.wait(timeout=tick_s)
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                if timeout_s is not None and time.monotonic() - start_time > timeout_s:
                     reason = "timeout"
                 else:
                     reason = on_tick()
@@ -274,11 +316,11 @@ def run_process(
     tail = log_tail(run_dir)
     if reason:
         return Outcome(reason, metrics, proc.returncode, stopped_message(
-            reason, f"the process exited with status {proc.returncode}", tail))
+            reason, f"the process {exit_words(proc)}", tail))
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
         return Outcome("complete", metrics, proc.returncode)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
-        f"exited with status {proc.returncode}")
+        exit_words(proc))
     return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip())
 
 

@@ -25,6 +25,7 @@ from muoneq.suite.sweeps.ledger import Ledger
 from muoneq.suite.sweeps.scheduler import Adopt, Job, Start
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
+from muoneq.suite.sweeps.warm import Launcher
 
 log = logging.getLogger("muoneq.suite.sweeps")
 
@@ -37,6 +38,8 @@ class Runner:
         self.ledger, self.spec = ledger, ledger.spec
         self.study_dir, self.slots, self.stop, self.tick_s = study_dir, slots, stop, tick_s
         self.env = dict(env or {})  #: defaults of every trial's environment (its threads)
+        #: how trials start: forked warm or spawned (launch.warm)
+        self.launcher = Launcher(self.spec, study_dir, stop, self.env)
 
     def execute(self, job: Job, slot: int) -> None:
         try:
@@ -99,7 +102,8 @@ class Runner:
             log.debug("trial %d: %s", job.number, " ".join(argv))  # also in its trial.log
             outcome = launch.run_process(argv, run_dir, env=env, fingerprint=fingerprint,
                                          on_tick=tick, tick_s=self.tick_s,
-                                         timeout_s=self.spec.launch.timeout_s)
+                                         timeout_s=self.spec.launch.timeout_s,
+                                         start=self.launcher.start)
             if outcome.status == "busy":  # a live process of a lost trial owns the folder
                 outcome = launch.wait_for_release(run_dir, on_tick=tick, tick_s=self.tick_s)
             if outcome.status == "complete":

@@ -44,6 +44,8 @@ PLACEHOLDERS = (
     "python", "experiment", "overrides", "seed", "run_dir", "study", "trial", "nproc",
     "devices", "worker",
 )
+#: ``launch.warm``: fork trials from a server that imported once (:mod:`muoneq.suite.sweeps.warm`)
+WARM_CHOICES = ("auto", "true", "false")
 PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
 PARAM_TYPES = ("float", "int", "categorical")
 SEARCH_TYPES = ("tpe", "coordinate")
@@ -72,6 +74,10 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  #: extra environment for the trial
     vars: dict[str, Any] = field(default_factory=dict)  #: extra placeholders, e.g. ``nodes``
     timeout_s: float | None = None  #: kill a run after this many seconds (counts as a failure)
+    #: ``auto``: trials of the default command are forked by a server that imported the runtime
+    #: once (:mod:`muoneq.suite.sweeps.warm`), others spawned; ``true``: also a command of the
+    #: form ``{python} -m MODULE …``; ``false``: every trial is spawned as its command
+    warm: str = "auto"
 
 
 @dataclass
@@ -425,6 +431,38 @@ def _check_execution(spec: SweepSpec, source: str) -> None:
     if launch.nproc < 1 or launch.devices_per_trial < 0:
         raise SweepError(f"{source}: launch.nproc must be ≥ 1 and devices_per_trial ≥ 0")
     check_template(launch.command, launch.vars, source)
+    launch.warm = str(launch.warm).lower()  # YAML's true/false arrive as booleans
+    _choice(launch.warm, WARM_CHOICES, "launch.warm", source)
+    if launch.warm == "true" and module_of(launch.command) is None:
+        raise SweepError(f"{source}: launch.warm=true forks trials of a command "
+                         "`{python} -m MODULE …`, and launch.command is "
+                         f"{launch.command!r}; set launch.warm=auto or false")
+
+
+def module_of(command: str) -> str | None:
+    """The module a launch template runs with this interpreter (``{python} -m MODULE …``), or
+    None for any other command."""
+    words = shlex.split(command)
+    if len(words) < 3 or words[:2] != ["{python}", "-m"] or "{" in words[2]:
+        return None
+    return words[2]
+
+
+def warm_module(spec: SweepSpec) -> tuple[str | None, str]:
+    """The module this sweep's trials run warm (:mod:`muoneq.suite.sweeps.warm`), or None
+    (they are spawned), and why."""
+    from muoneq.suite.sweeps.warm import supported
+
+    launch = spec.launch
+    if launch.warm == "false":
+        return None, "launch.warm=false"
+    if launch.warm == "auto" and launch.command != DEFAULT_COMMAND:
+        return None, ("launch.warm=auto forks only trials of the default launch.command; "
+                      "launch.warm=true forks a `{python} -m MODULE …` command too")
+    unsupported = supported()
+    if unsupported is not None:
+        return None, f"launch.warm={launch.warm}, but {unsupported}"
+    return module_of(launch.command), f"launch.warm={launch.warm}"
 
 
 def _check_search(search: Search, source: str) -> None:
