@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.newton_schulz import Backend, Coefficients
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import boolean, decay, nonnegative
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -48,10 +51,24 @@ class AdaMuon(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "beta2": Hyper(0.999, decay, when="use_muon", annotation=float),
-        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
-        "sign_momentum": Hyper(True, boolean, when="use_muon", annotation=bool),
+        "beta2": Hyper(decay, when="use_muon"),
+        "eps": Hyper(nonnegative, when="use_muon"),
+        "sign_momentum": Hyper(boolean, when="use_muon"),
     }
+
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.999,
+                 eps: float = 1e-8, sign_momentum: bool = True,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, **arguments(locals()))
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)

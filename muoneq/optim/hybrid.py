@@ -21,8 +21,10 @@ one foreach call) then :func:`muoneq.optim.engine.directions` one matrix at a ti
 every method orthogonalizing through the group's validated Newton–Schulz
 (:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
 
-A subclass declares its own hyper-parameters (:class:`~muoneq.optim.base.Hyper`), overrides
-:meth:`_direction`, and :meth:`_init_matrix_state` when it keeps state beyond the momentum.
+A subclass writes its constructor with every argument (the shared ones default to
+:data:`DEFAULTS`, its own to the values written there), declares how its own hyper-parameters
+are checked (:class:`~muoneq.optim.base.Hyper`), overrides :meth:`_direction`, and
+:meth:`_init_matrix_state` when it keeps state beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
 the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
 (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
@@ -35,6 +37,7 @@ are :mod:`muoneq.optim.executors`' business. Every path gives the one-process re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import ClassVar
@@ -42,10 +45,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import LR_ADJUST, UpdateSettings
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
+    Backend,
+    Coefficients,
     Workspace,
     canonical_backend,
     dtype_name,
@@ -57,7 +63,7 @@ from muoneq.newton_schulz import (
 )
 from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase
+from muoneq.optim.base import Hyper, OptimizerBase, arguments
 from muoneq.optim.checks import (
     betas,
     boolean,
@@ -86,6 +92,32 @@ from muoneq.optim.engine import (
 from muoneq.optim.executors import row_shard_dim
 
 BATCHING = ("auto", "per_matrix", "stacked")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixDefaults:
+    """The defaults of the arguments every matrix optimizer shares, each written once: every
+    constructor names them in its signature (``momentum: float = DEFAULTS.momentum``), so
+    ``help()``, IDEs and type checkers show each optimizer's whole signature. A method's own
+    default differs by being written there instead (Mousse's ``nesterov: bool = False``)."""
+
+    lr: float = 1e-3
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.1
+    ns_steps: int = 5
+    ns_coefficients: Coefficients = "quintic"
+    ns_dtype: str | torch.dtype = "auto"
+    lr_adjust: str = "rms"
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    distributed: bool | str = "auto"
+    batching: str = "auto"
+    ns_backend: Backend = "torch"
+
+
+#: The shared defaults (:class:`MatrixDefaults`).
+DEFAULTS = MatrixDefaults()
 
 
 class HybridOrthogonalOptimizer(OptimizerBase):
@@ -119,24 +151,24 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     """
 
     hyperparameters = {
-        "lr": Hyper(1e-3, nonnegative, annotation=float),
-        "momentum": Hyper(0.95, decay, when="use_muon", annotation=float),
-        "nesterov": Hyper(True, boolean, when="use_muon", annotation=bool),
-        "weight_decay": Hyper(0.1, nonnegative, annotation=float),
-        "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
-        "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
+        "lr": Hyper(nonnegative),
+        "momentum": Hyper(decay, when="use_muon"),
+        "nesterov": Hyper(boolean, when="use_muon"),
+        "weight_decay": Hyper(nonnegative),
+        "ns_steps": Hyper(integer(1), when="use_muon"),
+        "ns_coefficients": Hyper(lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
         # "auto": bf16 on accelerators and CPUs that multiply it natively, else float32; one
         # spelling in every group
-        "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
-        "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
-        "adamw_betas": Hyper((0.9, 0.95), betas),
-        "adamw_eps": Hyper(1e-8, nonnegative, annotation=float),
-        "use_muon": Hyper(True, boolean, argument=False),
+        "ns_dtype": Hyper(converted(dtype_name)),
+        "lr_adjust": Hyper(choice(*LR_ADJUST), when="use_muon"),
+        "adamw_betas": Hyper(betas),
+        "adamw_eps": Hyper(nonnegative),
+        "use_muon": Hyper(boolean, argument=False, default=True),
         # how the group's parameters are stored (muoneq.layout): group keys, not arguments
-        "transposed": Hyper(False, boolean, when="use_muon", argument=False),
-        "batch_dims": Hyper(0, integer(0), when="use_muon", argument=False),
-        "splits": Hyper(None, check_splits, when="use_muon", argument=False),
+        "transposed": Hyper(boolean, when="use_muon", argument=False, default=False),
+        "batch_dims": Hyper(integer(0), when="use_muon", argument=False, default=0),
+        "splits": Hyper(check_splits, when="use_muon", argument=False, default=None),
     }
     added_keys = {"transposed": False, "batch_dims": 0, "splits": None}
 
@@ -156,8 +188,18 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if "_direction" in cls.__dict__ and "stateless_direction" not in cls.__dict__:
             cls.stateless_direction = False
 
-    def __init__(self, params, *, distributed: bool | str = "auto", batching: str = "auto",
-                 ns_backend: str | Callable = "torch", process_group=None, **hyperparameters):
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None, **hyperparameters):
+        given = arguments(locals())  # a subclass's own hyper-parameters come in **
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
@@ -168,7 +210,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         self.batching = batching
         self.ns_backend = canonical_backend(ns_backend)
         self.process_group = process_group
-        super().__init__(params, **hyperparameters)
+        super().__init__(params, **{k: v for k, v in given.items() if k not in self._options()})
         if self.ns_backend == "triton":
             self._check_triton()
 

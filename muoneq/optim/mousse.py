@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.newton_schulz import Backend, Coefficients
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import decay, integer, nonnegative
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -69,14 +72,26 @@ class Mousse(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "nesterov": HybridOrthogonalOptimizer.hyperparameters["nesterov"].with_default(False),
-        "lr_adjust": HybridOrthogonalOptimizer.hyperparameters["lr_adjust"].with_default(
-            "spectral_unclamped"),
-        "alpha": Hyper(0.125, nonnegative, when="use_muon", annotation=float),
-        "precond_beta": Hyper(0.95, decay, when="use_muon", annotation=float),
-        "precond_eps": Hyper(1e-5, nonnegative, when="use_muon", annotation=float),
-        "precond_every": Hyper(10, integer(1), when="use_muon", annotation=int),
+        "alpha": Hyper(nonnegative, when="use_muon"),
+        "precond_beta": Hyper(decay, when="use_muon"),
+        "precond_eps": Hyper(nonnegative, when="use_muon"),
+        "precond_every": Hyper(integer(1), when="use_muon"),
     }
+
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = False,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = "spectral_unclamped",
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, alpha: float = 0.125,
+                 precond_beta: float = 0.95, precond_eps: float = 1e-5,
+                 precond_every: int = 10,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, **arguments(locals()))
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)

@@ -6,15 +6,23 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import canonical_mode, equilibrate
-from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
+from muoneq.newton_schulz import (
+    Backend,
+    Coefficients,
+    canonical_algorithm,
+    ns_flops,
+    run_schedule,
+)
 from muoneq.optim import executors
-from muoneq.optim.base import Hyper
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import boolean, converted, nonnegative
 from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 class MuonEq(HybridOrthogonalOptimizer):
@@ -80,20 +88,31 @@ class MuonEq(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "mode": Hyper("R", converted(canonical_mode), when="use_muon", annotation=str),
-        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
-        "ns_algorithm": Hyper("standard", converted(canonical_algorithm), when="use_muon",
-                              annotation=str),
-        "capturable": Hyper(False, boolean, annotation=bool),
+        "mode": Hyper(converted(canonical_mode), when="use_muon"),
+        "eps": Hyper(nonnegative, when="use_muon"),
+        "ns_algorithm": Hyper(converted(canonical_algorithm), when="use_muon"),
+        "capturable": Hyper(boolean),
     }
     added_keys = {"ns_algorithm": "standard", "capturable": False}
     stateless_direction = True
 
-    def __init__(self, params, *, compile: bool = False, **hyperparameters):
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, mode: str = "R", eps: float = 1e-8,
+                 ns_algorithm: str = "standard", capturable: bool = False, compile: bool = False,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        given = arguments(locals())
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.compile = compile
-        super().__init__(params, **hyperparameters)
+        super().__init__(params, **given)
 
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
