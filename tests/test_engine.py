@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, build_optimizer, diag_pre
+from muoneq.optim import hybrid
+from muoneq.optim.engine import plan_stacks
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -23,6 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 #: 1; per group the decay 1. Before the plan (a copy into a fresh stack per matrix, the cast and
 #: the update per matrix): 353, 376 and 863.
 BUDGETS = {"gpt2_small": 125, "llama2_130m": 94, "resnet18": 311}
+#: The same for AdaMuon (the sign and its per-chunk update: second moment, bias correction on
+#: the device, RMS alignment) and Mousse on a step that refreshes no eigenbasis (per chunk the
+#: factors' update, whitening, the map back and the graft).
+METHOD_BUDGETS = {"adamuon": {"gpt2_small": 181, "llama2_130m": 136, "resnet18": 451},
+                  "mousse": {"gpt2_small": 338, "llama2_130m": 254, "resnet18": 842}}
 MODES = ["none", "R", "C", "RC"]
 
 
@@ -152,6 +159,39 @@ def test_an_added_group_is_stepped_as_in_an_optimizer_built_with_it():
         assert torch.equal(a, b)
 
 
+def stacked_and_per_matrix(method: str, steps: int = 3, reset_after: int | None = None,
+                           **options) -> dict:
+    """Parameters, state dict and the last step's dispatch of ``method`` on both paths, in
+    float64, after ``steps`` steps (the state of the first parameter reset after
+    ``reset_after`` of them)."""
+    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
+    results = {}
+    for batching in ("stacked", "per_matrix"):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = build_optimizer(method, [{"params": params}], lr=0.05, ns_dtype="float64",
+                              batching=batching, **options)
+        for step in range(steps):
+            if step == reset_after:
+                opt.state[params[0]].clear()
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            seen = dispatched(opt.step)
+        results[batching] = (params, opt.state_dict()["state"], seen)
+    return results
+
+
+def assert_same_result(results: dict) -> None:
+    (stacked, ours, _), (per_matrix, theirs, _) = results["stacked"], results["per_matrix"]
+    for a, b in zip(stacked, per_matrix, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for i, state in theirs.items():
+        assert set(ours[i]) == set(state)
+        for key, value in state.items():
+            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("method", ["normuon", "muon_plus"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(method,
@@ -159,24 +199,73 @@ def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(
     """Their rules (a row second moment, banked like the momentum; column/row normalizations)
     run batched after the stacked Newton–Schulz and give the per-matrix path's parameters and
     state, in float64."""
-    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
-    results = {}
-    for batching in ("stacked", "per_matrix"):
-        gen = torch.Generator().manual_seed(0)
-        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
-                  for s in shapes]
-        opt = build_optimizer(method, [{"params": params}], lr=0.05, nesterov=nesterov,
-                              ns_dtype="float64", batching=batching)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            seen = dispatched(opt.step)
-        results[batching] = (params, opt.state_dict()["state"])
-        if batching == "stacked":
-            assert seen.ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
-    (stacked, ours), (per_matrix, theirs) = results["stacked"], results["per_matrix"]
-    for a, b in zip(stacked, per_matrix, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    for i, state in theirs.items():
-        for key, value in state.items():
-            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)
+    results = stacked_and_per_matrix(method, nesterov=nesterov)
+    assert results["stacked"][2].ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("sign_momentum", [True, False])
+def test_adamuon_rides_the_stacked_path_with_the_per_matrix_result(nesterov, sign_momentum):
+    """sign(M̃) before the stacked Newton–Schulz, the element-wise second moment and the step
+    counts banked like the momentum: the per-matrix path's parameters and state, in float64."""
+    results = stacked_and_per_matrix("adamuon", steps=4, nesterov=nesterov,
+                                     sign_momentum=sign_momentum)
+    assert results["stacked"][2].ops["bmm"] == 5 * 3
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("precond_every", [1, 2])
+def test_mousse_rides_the_stacked_path_with_the_per_matrix_result(nesterov, precond_every):
+    """Kronecker factors, eigendecompositions (one batched ``eigh`` per bank and side),
+    whitening, Newton–Schulz, the map back and the graft on stacks: the per-matrix path's
+    parameters and state, in float64; a state reset in the middle restarts that matrix's
+    refresh schedule alone."""
+    results = stacked_and_per_matrix("mousse", steps=5, reset_after=2, nesterov=nesterov,
+                                     precond_every=precond_every)
+    stacked = results["stacked"][2].ops
+    # per chunk (3 shapes) NS5, per bank in it (4: the conv filter and the 8×12 matrix share
+    # a chunk) the whitening and the map back, and one batched eigh of L and of R
+    assert stacked["bmm"] == 5 * 3 + 4 * 4
+    assert stacked["_linalg_eigh"] == 2 * 4
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("method", ["adamuon", "mousse"])
+@pytest.mark.parametrize("name", BUDGETS)
+def test_adamuon_and_mousse_steps_grow_with_the_shapes_not_with_the_matrices(method, name):
+    shapes = MATRIX_SETS[name](True)
+    counts = [dispatched(stepped_with(method, s).step).ops
+              for s in (shapes, shapes * 3, halved(shapes))]
+    assert counts[0] == counts[1] == counts[2]
+    assert sum(counts[0].values()) <= METHOD_BUDGETS[method][name], counts[0]
+
+
+def stepped_with(method: str, shapes, steps: int = 2):
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked")
+    for _ in range(steps):
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
+def test_an_adamuon_step_reads_nothing_back_from_the_device(batching):
+    """Its bias correction ``1 − β₂ᵗ`` is computed from the step counts on the device."""
+    opt = stepped_with("adamuon", [(6, 4), (6, 4), (4, 6)])
+    opt.batching = batching
+    assert "_local_scalar_dense" not in dispatched(opt.step).ops
+
+
+@pytest.mark.parametrize("method", ["muoneq", "normuon", "muon_plus", "adamuon", "mousse"])
+def test_the_stacks_are_planned_once(method, monkeypatch):
+    """Later steps reuse the plan and its buffers (a method's ``finish`` is a new closure each
+    step, and must not make the settings look changed)."""
+    planned = []
+    monkeypatch.setattr(hybrid, "plan_stacks", lambda *a: planned.append(1) or plan_stacks(*a))
+    stepped_with(method, [(6, 4), (6, 4), (4, 6)], steps=3)
+    assert len(planned) == 1

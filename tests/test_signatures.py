@@ -112,3 +112,19 @@ def test_a_subclass_without_a_constructor_takes_its_bases():
     assert built(Scaled, lr=0.5).defaults["lr"] == 0.5
     with pytest.raises(TypeError, match="'lrr'; did you mean 'lr'"):
         built(Scaled, lrr=0.5)
+
+
+def test_a_subclass_that_hands_its_arguments_on_keeps_its_bases_defaults_and_keywords():
+    """``__init__(self, *args, **kwargs)`` that calls its base's, a common way to extend."""
+    from muoneq import MuonEq
+
+    class Counting(MuonEq):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls = 0
+
+    opt = built(Counting, batching="stacked", mode="RC")
+    assert opt.defaults["mode"] == "RC" and opt.defaults["eps"] == 1e-8
+    assert opt.batching == "stacked" and opt.calls == 0
+    with pytest.raises(TypeError, match="'compil'; did you mean 'compile'"):
+        built(Counting, compil=True)

@@ -215,15 +215,15 @@ class OptimizerBase(torch.optim.Optimizer):
 
 def _with_signature_defaults(cls: type, table: dict[str, Hyper]) -> dict[str, Hyper]:
     """``table`` with each constructor argument's default read from ``cls``'s signature, where
-    it is written; an argument the signature lacks (or has without a default) is an error
-    of the class."""
+    it is written (a subclass whose constructor only hands ``**kwargs`` on keeps its base's);
+    a new argument the signature lacks (or has without a default) is an error of the class."""
     parameters = inspect.signature(cls).parameters
     derived = {}
     for name, hyper in table.items():
-        if not hyper.argument:
+        parameter = parameters.get(name)
+        if not hyper.argument or (parameter is None and hyper.default is not FROM_SIGNATURE):
             derived[name] = hyper
             continue
-        parameter = parameters.get(name)
         if (parameter is None or parameter.kind is not parameter.KEYWORD_ONLY
                 or parameter.default is parameter.empty):
             raise TypeError(f"{cls.__name__}: hyper-parameter {name!r} must be a keyword-only "
@@ -233,9 +233,13 @@ def _with_signature_defaults(cls: type, table: dict[str, Hyper]) -> dict[str, Hy
 
 
 def _accepted_keywords(cls: type) -> tuple[str, ...]:
-    """The keywords ``cls(params, ...)`` accepts: its signature's, and the hyper-parameters a
-    ``**`` argument takes on to its base (a subclass without its own constructor)."""
-    names = [p.name for p in list(inspect.signature(cls).parameters.values())[1:]
-             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    names += [k for k, h in cls.hyperparameters.items() if h.argument and k not in names]
+    """The keywords ``cls(params, ...)`` accepts: its signature's, and where it takes
+    ``**kwargs`` on to its base, the base's and the hyper-parameters."""
+    parameters = inspect.signature(cls).parameters.values()
+    names = [p.name for p in parameters if p.name != "params"
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        for klass in cls.__mro__[1:]:
+            names += [k for k in klass.__dict__.get("_keywords", ()) if k not in names]
+        names += [k for k, h in cls.hyperparameters.items() if h.argument and k not in names]
     return tuple(names)

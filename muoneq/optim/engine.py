@@ -319,17 +319,26 @@ class GroupPlan:
         return True
 
 
-#: State banked per matrix: key → its shape for a layout (the momentum: the stored parameter's).
-StateShapes = dict[str, Callable[[MatrixLayout], tuple[int, ...]]]
+@dataclass(frozen=True)
+class Banked:
+    """A method's own state kept per matrix in banks like the momentum: its shape for a
+    :class:`~muoneq.layout.MatrixLayout`, and its dtype for the parameters' (``None``: theirs)."""
+
+    shape: Callable[[MatrixLayout], tuple[int, ...]]
+    dtype: Callable[[torch.dtype], torch.dtype] | None = None
+
+
+#: State banked per matrix, by key (the momentum: the stored parameter's shape and dtype).
+StateShapes = dict[str, Banked]
 
 
 def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state: dict,
                shapes: StateShapes | None = None) -> list[Bank]:
-    """Bank the momentum (and the state of ``shapes``, in the parameters' dtype) of a group's
-    plain-tensor parameters by (layout, dtype, device): state already there is copied into its
-    bank, missing state starts at zero, and the state then holds the bank's views. ``DTensor``
-    parameters keep their own state."""
-    shapes = {"momentum_buffer": lambda layout: layout.stored, **(shapes or {})}
+    """Bank the momentum (and the state of ``shapes``) of a group's plain-tensor parameters by
+    (layout, dtype, device): state already there is copied into its bank, missing state starts
+    at zero, and the state then holds the bank's views. ``DTensor`` parameters keep their own
+    state."""
+    shapes = {"momentum_buffer": Banked(lambda layout: layout.stored), **(shapes or {})}
     keyed: dict[tuple, list[int]] = {}
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         if not is_dtensor(p):
@@ -337,9 +346,9 @@ def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state:
     banks = []
     for (layout, dtype, device), members in keyed.items():
         tensors = {}
-        for key, shape in shapes.items():
-            tensors[key] = torch.zeros((len(members), *shape(layout)), dtype=dtype,
-                                       device=device)
+        for key, banked in shapes.items():
+            tensors[key] = torch.zeros((len(members), *banked.shape(layout)), device=device,
+                                       dtype=dtype if banked.dtype is None else banked.dtype(dtype))
             for i, view in zip(members, tensors[key].unbind(0), strict=True):
                 old = state[params[i]].get(key)
                 if old is not None:
@@ -362,10 +371,18 @@ class StackSettings:
     algorithm: str
     lr_adjust: str
     backend: str | Callable = "torch"  # ns_backend
+    #: a method's map from a chunk's ``M̃`` to the matrices Newton–Schulz orthogonalizes
+    #: (AdaMuon's sign, Mousse's whitening): ``prepare(M̃, segments, out) -> input``, batched
+    #: over the ``(K, m, n)`` stack in the accumulation dtype, before DiagPre and the
+    #: normalization; ``out`` is scratch of that shape it may write (``M̃`` may be ``out``).
+    #: ``prepare`` and ``finish`` are closures over the live param group (a new one each step):
+    #: they take no part in comparing settings, else every step would plan the stacks again
+    prepare: Callable[[Tensor, list, Tensor], Tensor] | None = field(default=None,
+                                                                     compare=False)
     #: a method's map from a chunk's Newton–Schulz output to its directions (Muon+'s
     #: normalization, NorMuon's second moment): ``finish(O, segments) -> directions``, batched
     #: over the ``(K, m, n)`` stack; the segments carry the rows and banked state of each part
-    finish: Callable[[Tensor, list], Tensor] | None = None
+    finish: Callable[[Tensor, list], Tensor] | None = field(default=None, compare=False)
 
 
 @dataclass(eq=False)
@@ -395,6 +412,15 @@ class Segment:
     def count(self) -> int:
         """Matrices of the segment (parameters × experts)."""
         return (self.hi - self.lo) * self.bank.layout.count
+
+
+def by_segment(stack: Tensor, segments: list[Segment],
+               rule: Callable[[Tensor, Segment], Tensor]) -> Tensor:
+    """``rule(rows, segment)`` on each segment's rows of a chunk's ``stack`` (a method's
+    ``prepare`` or ``finish`` reads the segment's banked state), the results in the chunk's
+    order."""
+    parts = [rule(stack[s.rows], s) for s in segments]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass(eq=False)
@@ -632,7 +658,10 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
                 _momentum_and_input(segment.gather, segment.momentum, segment.params, beta)
             elif segment.source is not None:
                 segment.stack.copy_(segment.source)
-        X = _prologue(chunk, stack, eps)
+        source = chunk.source
+        if stack.prepare is not None:
+            source = stack.prepare(source, chunk.segments, chunk.stack)
+        X = _prologue(chunk, source, stack, eps)
         if stack.algorithm == "gram":
             wide = X.size(-2) <= X.size(-1)
             found = gram_iterate(X if wide else X.mT, stack.schedule.coefficients, workspace)
@@ -663,11 +692,11 @@ def _momentum_and_input(gather: Tensor, momentum: Tensor, params: list[Tensor],
     gather.lerp_(momentum, beta)
 
 
-def _prologue(chunk: Chunk, stack: StackSettings, eps: float) -> Tensor:
-    """DiagPre (line 11) and NS's normalization of the chunk's ``M̃``, written once in the NS
-    dtype: ``X₀ = D_r^{-1/2} M̃ D_c^{-1/2} / max(s·‖D_r^{-1/2} M̃ D_c^{-1/2}‖_F, ε_NS)`` (``s``:
-    the schedule's safety factor; ``ε_NS``: :data:`~muoneq.newton_schulz.NORM_EPS`)."""
-    src, X = chunk.source, chunk.iterate[0]
+def _prologue(chunk: Chunk, src: Tensor, stack: StackSettings, eps: float) -> Tensor:
+    """DiagPre (line 11) and NS's normalization of the chunk's ``M̃`` (``src``), written once in
+    the NS dtype: ``X₀ = D_r^{-1/2} M̃ D_c^{-1/2} / max(s·‖D_r^{-1/2} M̃ D_c^{-1/2}‖_F, ε_NS)``
+    (``s``: the schedule's safety factor; ``ε_NS``: :data:`~muoneq.newton_schulz.NORM_EPS`)."""
+    X = chunk.iterate[0]
     sides = _SIDES[stack.mode]
     norm_scale = stack.schedule.norm_scale
     if len(sides) == 1:  # R or C: the norm from the sums, folded into the one scale vector

@@ -178,9 +178,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
     #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
     stateless_direction: bool = False
-    #: State of a method's own kept per matrix in banks like the momentum (key → its shape for
-    #: a :class:`~muoneq.layout.MatrixLayout`; the parameters' dtype), so that the stacked
-    #: path's ``finish`` reads it stacked.
+    #: State of a method's own kept per matrix in banks like the momentum (key → its
+    #: :class:`~muoneq.optim.engine.Banked` shape and dtype), so that the stacked path's
+    #: ``prepare`` and ``finish`` read it stacked.
     banked_state: ClassVar[StateShapes] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -417,16 +417,18 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where
-        it does not apply (the method's rule is one matrix at a time). A method whose rule is
-        DiagPre (or nothing), Newton–Schulz and a batched ``finish`` returns
-        :meth:`_stacked_settings` (MuonEq, Muon+, NorMuon)."""
+        it does not apply (the method's rule is one matrix at a time). A method whose rule is a
+        batched ``prepare``, DiagPre (or nothing), Newton–Schulz and a batched ``finish``
+        returns :meth:`_stacked_settings` (every method here)."""
         return None
 
     def _stacked_settings(self, group: dict, plan: GroupPlan, mode: str,
-                          finish: Callable | None = None) -> StackSettings | None:
+                          finish: Callable | None = None,
+                          prepare: Callable | None = None) -> StackSettings | None:
         """The stacked path's settings for a group whose matrices are stacked (``batching``),
-        with ``mode`` DiagPre before Newton–Schulz and ``finish`` after it; ``None`` for a
-        compiled Newton–Schulz (``compile=True`` runs the per-slot path)."""
+        with ``prepare`` and ``mode`` DiagPre before Newton–Schulz and ``finish`` after it
+        (:class:`~muoneq.optim.engine.StackSettings`); ``None`` for a compiled Newton–Schulz
+        (``compile=True`` runs the per-slot path)."""
         device = plan.params[0].device
         if self._compiled is not None or not self._stacked(device):
             return None
@@ -434,7 +436,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
                              orthogonalize.keywords["schedule"],
                              group.get("ns_algorithm", "standard"), group["lr_adjust"],
-                             self.ns_backend, finish)
+                             self.ns_backend, prepare=prepare, finish=finish)
 
     def _stacked(self, device: torch.device) -> bool:
         """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""

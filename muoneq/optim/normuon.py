@@ -11,7 +11,7 @@ from muoneq.layout import MatrixLayout
 from muoneq.newton_schulz import Backend, Coefficients
 from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import decay, nonnegative
-from muoneq.optim.engine import StackSettings
+from muoneq.optim.engine import Banked, StackSettings, by_segment
 from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
@@ -67,7 +67,7 @@ class NorMuon(HybridOrthogonalOptimizer):
         super().__init__(params, **arguments(locals()))
 
     #: the second moments are banked like the momentum: the stacked path reads them stacked
-    banked_state = {"second_moment": lambda layout: (layout.matrix[0], 1)}
+    banked_state = {"second_moment": Banked(lambda layout: (layout.matrix[0], 1))}
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
@@ -80,10 +80,8 @@ class NorMuon(HybridOrthogonalOptimizer):
 
     def _stack_settings(self, group: dict, plan) -> StackSettings | None:
         def finish(O: Tensor, segments) -> Tensor:
-            dtype = segments[0].momentum.dtype
-            parts = [self._normalized(O[s.rows], s.state["second_moment"], group, dtype)
-                     for s in segments]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return by_segment(O, segments, lambda rows, s: self._normalized(
+                rows, s.state["second_moment"], group, s.momentum.dtype))
         return self._stacked_settings(group, plan, "none", finish)
 
     @staticmethod
