@@ -269,3 +269,31 @@ def test_the_stacks_are_planned_once(method, monkeypatch):
     monkeypatch.setattr(hybrid, "plan_stacks", lambda *a: planned.append(1) or plan_stacks(*a))
     stepped_with(method, [(6, 4), (6, 4), (4, 6)], steps=3)
     assert len(planned) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "nesterov"), [("R", True), ("none", False)])
+def test_compile_compiles_each_chunks_stages_once_and_rounds_as_eager(mode, nesterov):
+    """``compile=True`` on the stacked path: per chunk (shape) one graph for the prologue and
+    one for the update, ``fullgraph``, compiled at the first step (a learning rate changed by
+    a scheduler compiles nothing); the weights equal eager's within float32 rounding."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(12, 20)] * 3 + [(20, 12)]
+    results, graphs = [], 0
+    for compile in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        opt = MuonEq(params, lr=0.05, mode=mode, nesterov=nesterov, ns_dtype="float32",
+                     batching="stacked", compile=compile)
+        before = counters["stats"]["unique_graphs"]
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.param_groups[0]["lr"] = 0.05 / (step + 1)
+            opt.step()
+        graphs = counters["stats"]["unique_graphs"] - before
+        results.append(params)
+    assert graphs == 2 * 2
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -371,6 +372,8 @@ class StackSettings:
     algorithm: str
     lr_adjust: str
     backend: str | Callable = "torch"  # ns_backend
+    #: each chunk's prologue and update compiled (``compile=True``)
+    compile: bool = False
     #: a method's map from a chunk's ``M̃`` to the matrices Newton–Schulz orthogonalizes
     #: (AdaMuon's sign, Mousse's whitening): ``prepare(M̃, segments, out) -> input``, batched
     #: over the ``(K, m, n)`` stack in the accumulation dtype, before DiagPre and the
@@ -467,6 +470,10 @@ class Chunk:
     #: chose per chunk)
     orthogonalize: Callable[..., Tensor] = iterate_stack
     backend: str = "torch"
+    #: the stages before and after Newton–Schulz (:func:`_chunk_prologue`, :func:`_update`;
+    #: compiled with ``compile=True``)
+    prologue: Callable[..., Tensor] | None = None
+    update: Callable[..., None] | None = None
 
 
 #: DiagPre's sides per mode: the dimension summed for ``D_r`` (-1) and ``D_c`` (-2).
@@ -551,6 +558,10 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
         _carve_segments(chunk, settings)
         if settings.algorithm != "gram":
             chunk.backend, chunk.orthogonalize = _backend(chunk, settings)
+        chunk.prologue, chunk.update = _chunk_prologue, _update
+        if settings.compile:  # MuonEq(compile=True): one graph for each stage
+            chunk.prologue = _compiled(_chunk_prologue, chunk.shape)
+            chunk.update = _compiled(_update, chunk.shape)
     _complete_banks(chunks)
 
 
@@ -653,15 +664,7 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
             if not bank.in_place:
                 _momentum_and_input(bank.gather, bank.momentum, bank.params, beta)
     for chunk in chunks:
-        for segment in chunk.segments:
-            if segment.gather is not None and settings.nesterov:
-                _momentum_and_input(segment.gather, segment.momentum, segment.params, beta)
-            elif segment.source is not None:
-                segment.stack.copy_(segment.source)
-        source = chunk.source
-        if stack.prepare is not None:
-            source = stack.prepare(source, chunk.segments, chunk.stack)
-        X = _prologue(chunk, source, stack, eps)
+        X = chunk.prologue(chunk, stack, beta, eps)
         if stack.algorithm == "gram":
             wide = X.size(-2) <= X.size(-1)
             found = gram_iterate(X if wide else X.mT, stack.schedule.coefficients, workspace)
@@ -690,6 +693,25 @@ def _momentum_and_input(gather: Tensor, momentum: Tensor, params: list[Tensor],
     torch.stack([p.grad for p in params], out=gather)
     momentum.lerp_(gather, 1 - beta)
     gather.lerp_(momentum, beta)
+
+
+def _chunk_prologue(chunk: Chunk, stack: StackSettings, beta: float, eps: float) -> Tensor:
+    """Lines 6–11 and NS's normalization for one chunk: ``M̃`` staged into its stack (Nesterov
+    from the gathered gradients, or copied), the method's ``prepare``, then :func:`_prologue`."""
+    _stage_input(chunk, stack.nesterov, beta)
+    source = chunk.source
+    if stack.prepare is not None:
+        source = stack.prepare(source, chunk.segments, chunk.stack)
+    return _prologue(chunk, source, stack, eps)
+
+
+def _stage_input(chunk: Chunk, nesterov: bool, beta: float) -> None:
+    """``M̃`` of each segment into the chunk's stack, where it is not formed there already."""
+    for segment in chunk.segments:
+        if segment.gather is not None and nesterov:
+            _momentum_and_input(segment.gather, segment.momentum, segment.params, beta)
+        elif segment.source is not None:
+            segment.stack.copy_(segment.source)
 
 
 def _prologue(chunk: Chunk, src: Tensor, stack: StackSettings, eps: float) -> Tensor:
@@ -741,18 +763,41 @@ def _inverse_roots(sums: Tensor, shifted: Tensor, out: Tensor, eps: float) -> Te
 
 def _epilogue(chunk: Chunk, found: Tensor, lr: float | Tensor) -> None:
     """Line 13's ``X ← X − a·η·O`` for every matrix of the chunk (the decay came first); a
-    tensor ``η`` (``capturable``) scales the directions on the device first."""
+    tensor ``η`` (``capturable``) scales the directions on the device first, as does a compiled
+    update (``compile=True``: ``−a·η`` as a tensor, which a new ``η`` does not recompile)."""
     from_final = found is chunk.final and found.dtype == chunk.segments[0].momentum.dtype
     buffer = found if from_final else chunk.stack.copy_(found)
-    pick = 0 if from_final else 1
     if isinstance(lr, Tensor):
-        buffer.mul_(torch.mul(lr, -chunk.scale, out=chunk.step))
-        alpha = 1.0
+        alpha = torch.mul(lr, -chunk.scale, out=chunk.step)
+    elif chunk.update is not _update:
+        alpha = chunk.step.fill_(-lr * chunk.scale)
     else:
         alpha = -lr * chunk.scale
+    chunk.update(chunk, buffer, 0 if from_final else 1, alpha)
+
+
+def _update(chunk: Chunk, buffer: Tensor, pick: int, alpha: float | Tensor) -> None:
+    """``X ← X + α·O`` from the chunk's directions (``buffer``; ``pick``: which of its update
+    lists read it), a tensor ``α`` multiplied into the directions first."""
+    if isinstance(alpha, Tensor):
+        buffer.mul_(alpha)
+        alpha = 1.0
     if chunk.targets:
         torch._foreach_add_(chunk.targets, chunk.sources[pick], alpha=alpha)
     for back, sources in chunk.writebacks:
         back.copy_(sources[pick])
     for params, found_stored in chunk.completes:
         torch._foreach_add_(params, found_stored, alpha=alpha)
+
+
+def _compiled(fn: Callable, shape: tuple[int, int]) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` on a copy of ``fn`` with a code
+    object of its own: dynamo keeps at most ``recompile_limit`` (8) graphs per code object and,
+    with ``fullgraph``, fails past them; each chunk (one per shape: ResNet-18 has 10) compiles
+    its own copy, named for its shape in traces."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{shape[0]}x{shape[1]}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+    return torch.compile(copy, fullgraph=True, dynamic=False)
+
+

@@ -427,16 +427,17 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                           prepare: Callable | None = None) -> StackSettings | None:
         """The stacked path's settings for a group whose matrices are stacked (``batching``),
         with ``prepare`` and ``mode`` DiagPre before Newton–Schulz and ``finish`` after it
-        (:class:`~muoneq.optim.engine.StackSettings`); ``None`` for a compiled Newton–Schulz
-        (``compile=True`` runs the per-slot path)."""
+        (:class:`~muoneq.optim.engine.StackSettings`; ``compile=True`` compiles each chunk's
+        prologue and update)."""
         device = plan.params[0].device
-        if self._compiled is not None or not self._stacked(device):
+        if not self._stacked(device):
             return None
         orthogonalize = self._orthogonalizer(group, device)
         return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
                              orthogonalize.keywords["schedule"],
                              group.get("ns_algorithm", "standard"), group["lr_adjust"],
-                             self.ns_backend, prepare=prepare, finish=finish)
+                             self.ns_backend, compile=self._compiled is not None,
+                             prepare=prepare, finish=finish)
 
     def _stacked(self, device: torch.device) -> bool:
         """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""

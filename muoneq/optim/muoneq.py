@@ -82,8 +82,11 @@ class MuonEq(HybridOrthogonalOptimizer):
             schedulers do), AdamW's step counters live on the device; matrix groups take the
             stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
             matrix given a gradient.
-        compile: run Newton–Schulz through ``torch.compile`` (opt-in; fuses the scaling and
-            casts on GPU, rounds slightly differently from eager).
+        compile: ``torch.compile`` the step (opt-in; rounds slightly differently from eager):
+            on the stacked path each chunk's prologue (``M̃`` staged, DiagPre, the
+            normalization, the cast) and its update, ``fullgraph=True, dynamic=False`` (one
+            graph per shape and stage, compiled at the first step and again after a re-plan;
+            a new ``lr`` compiles nothing); on the per-matrix path Newton–Schulz.
         process_group: the group to split replicated matrices over (default: the world).
     """
 
@@ -125,7 +128,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
                "batching='stacked')" if group["use_muon"] and any(
                    not self._stacked(torch.device(d)) for d in devices)
-               else "compile=True runs a compiled Newton–Schulz" if self.compile
+               else "compile=True's graphs are not captured with it yet" if self.compile
                else f"{type(self).__name__} replaces MuonEq's direction"
                if type(self)._direction is not MuonEq._direction else None)
         if why is not None:
@@ -155,7 +158,7 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
-        subclass's own :meth:`_direction`, nor ``compile=True``'s Newton–Schulz)."""
+        subclass's own :meth:`_direction`)."""
         if type(self)._direction is not MuonEq._direction:
             return None
         return self._stacked_settings(group, plan, group["mode"])
