@@ -597,4 +597,10 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the reservations will take once taken (one buffer per name and dtype)."""
+        return sum(size * dtype.itemsize for (_, dtype, _), size in self._reserved.items())

@@ -297,3 +297,75 @@ def test_compile_compiles_each_chunks_stages_once_and_rounds_as_eager(mode, nest
     assert graphs == 2 * 2
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def gpt2_workspace_by_hand(per_chunk: int) -> int:
+    """Bytes of the stacked path's buffers for the full-size GPT-2-small set, MuonEq-R, float32
+    parameters, bf16 Newton–Schulz, ``per_chunk`` matrices a chunk: each named buffer is as
+    large as its largest chunk's — M̃ (float32), the NS input and the iterate it alternates
+    with (bf16), the Gram and polynomial stacks (bf16), the row sums, ``sums + ε`` and scales
+    (float32), the norms (float32) and ``−a·η``."""
+    shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
+    k = per_chunk
+    largest = {
+        "stack": max(k * m * n * 4 for m, n in shapes),
+        "ns_input": max(k * m * n * 2 for m, n in shapes),
+        "ns_iterate": max(k * m * n * 2 for m, n in shapes),
+        "ns_gram": max(k * min(m, n) ** 2 * 2 for m, n in shapes),
+        "ns_poly": max(k * min(m, n) ** 2 * 2 for m, n in shapes),
+        "row vectors": 3 * max(k * m * 4 for m, n in shapes),
+        "norm": k * 4,
+        "step": 4,
+    }
+    return sum(largest.values())
+
+
+@pytest.mark.parametrize("limit_mib", [None, 64, 44, 16, 0])
+def test_workspace_limit_bounds_the_workspace_the_plan_holds(limit_mib):
+    """Planned on the meta device (nothing allocated) for the full-size GPT-2-small set: without a
+    limit, 12 matrices a chunk and 243 MiB of buffers; a limit stacks fewer matrices per call
+    until the workspace fits, never fewer than one (its floor: 20 MiB)."""
+    shapes = MATRIX_SETS["gpt2_small"](False)
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    limit = None if limit_mib is None else limit_mib << 20
+    opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16", workspace_limit=limit)
+    planned = opt.workspace_bytes
+    chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+    if limit is None:
+        assert planned == gpt2_workspace_by_hand(12) and len(chunks) == 4
+        assert round(planned / 2**20) == 243
+    elif limit >= gpt2_workspace_by_hand(1):
+        assert planned <= limit and len(chunks) > 4
+    else:  # below the floor: one matrix per chunk
+        assert planned == gpt2_workspace_by_hand(1) and len(chunks) == 48
+        assert round(planned / 2**20) == 20
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
+    """Chunks of one or two matrices under a limit: the weights of the unbounded stacked step,
+    in float64 (each matrix's arithmetic is the same in any stack)."""
+    shapes = [(12, 20)] * 5 + [(20, 12), (8, 3, 2, 2)]
+    results = []
+    for limit in (None, 2 * 12 * 20 * 8 * 4):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = MuonEq(params, lr=0.05, mode=mode, ns_dtype="float64", batching="stacked",
+                     workspace_limit=limit)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+        results.append((params, len(chunks), opt.workspace_bytes))
+    (unbounded, few, big), (bounded, many, small) = results
+    assert many > few and small < big
+    for a, b in zip(bounded, unbounded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "64MB"])
+def test_a_bad_workspace_limit_is_one_line_naming_it(limit):
+    with pytest.raises(ValueError, match="^workspace_limit: expected None or a number of bytes"):
+        MuonEq([nn.Parameter(torch.randn(3, 3))], workspace_limit=limit)

@@ -69,7 +69,9 @@ class AdaMuon(HybridOrthogonalOptimizer):
                  adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.999,
                  eps: float = 1e-8, sign_momentum: bool = True,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(params, **arguments(locals()))
 

@@ -481,10 +481,11 @@ _SIDES = {"none": (), "R": (-1,), "C": (-2,), "RC": (-1, -2)}
 
 
 def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | None,
-                workspace: Workspace) -> list[Chunk]:
+                workspace: Workspace, chunk_bytes: int | None = None) -> list[Chunk]:
     """Bucket the blocks of a group's banks by matrix shape (and dtype, device) into chunks of
-    at most ``stack_elements`` elements (at least one parameter) and reserve their buffers in
-    ``workspace``; :func:`carve` gives them out once every group is planned."""
+    at most ``stack_elements`` elements whose buffers take at most ``chunk_bytes`` (at least
+    one parameter each) and reserve their buffers in ``workspace``; :func:`carve` gives them
+    out once every group is planned."""
     if plan.banks:
         plan.decay = torch.empty((), dtype=torch.float32, device=plan.banks[0].momentum.device)
     buckets: dict[tuple, list[tuple[Bank, int]]] = {}
@@ -495,6 +496,11 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
     chunks = []
     for (shape, _, _), members in buckets.items():
         per_stack = _per_stack(shape, stack_elements, sys.maxsize)
+        if chunk_bytes is not None:
+            one = _requests(1, shape, members[0][0].accumulate, settings)
+            matrix = sum(math.prod(size) * dtype.itemsize for name, size, dtype in one
+                         if name != "step")
+            per_stack = min(per_stack, max(1, chunk_bytes // matrix))
         current: list[Segment] = []
         filled = 0
         for bank, split in members:
@@ -516,10 +522,20 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
 
 def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
     bank = segments[0].bank
-    rows, n = shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
+    shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
     chunk = Chunk(shape, lr_scale(shape, settings.lr_adjust), segments)
-    count, small = sum(s.count for s in segments), min(rows, n)
-    accumulate, ns = bank.accumulate, settings.dtype
+    requests = _requests(sum(s.count for s in segments), shape, bank.accumulate, settings)
+    chunk.requests = [(*r, bank.momentum.device) for r in requests]
+    for request in chunk.requests:
+        workspace.reserve(*request)
+    return chunk
+
+
+def _requests(count: int, shape: tuple[int, int], accumulate: torch.dtype,
+              settings: StackSettings) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The buffers of a chunk of ``count`` matrices of ``shape`` (:class:`Chunk`): name, shape
+    and dtype."""
+    (rows, n), small, ns = shape, min(shape), settings.dtype
     requests = [("stack", (count, rows, n), accumulate)]
     if ns != accumulate:
         requests.append(("ns_input", (count, rows, n), ns))
@@ -533,10 +549,7 @@ def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspac
             requests.append(("squares", (count, rows, n), accumulate))
     requests.append(("norm", (count, 1, 1), accumulate if settings.mode in ("R", "C") else ns))
     requests.append(("step", (1,), accumulate))
-    chunk.requests = [(*r, bank.momentum.device) for r in requests]
-    for request in chunk.requests:
-        workspace.reserve(*request)
-    return chunk
+    return requests
 
 
 def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) -> None:

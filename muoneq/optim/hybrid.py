@@ -113,6 +113,7 @@ class MatrixDefaults:
     adamw_eps: float = 1e-8
     distributed: bool | str = "auto"
     batching: str = "auto"
+    workspace_limit: int | None = None
     ns_backend: Backend = "torch"
 
 
@@ -146,8 +147,10 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
       setting. Only methods whose :attr:`stateless_direction` is true can be split.
     * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
-      in one batched call, stateless directions only) or ``"auto"`` (default): stacked on
-      accelerators, per matrix on CPU.
+      in one batched call) or ``"auto"`` (default): stacked on accelerators, per matrix on CPU.
+    * ``workspace_limit``: bytes of scratch the stacked path keeps (:attr:`workspace_bytes`),
+      bounded by stacking fewer matrices per call (``None``: up to
+      :data:`~muoneq.optim.executors.STACK_ELEMENTS` elements).
     """
 
     hyperparameters = {
@@ -197,7 +200,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                  adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
                  adamw_eps: float = DEFAULTS.adamw_eps,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None, **hyperparameters):
         given = arguments(locals())  # a subclass's own hyper-parameters come in **
         if not (isinstance(distributed, bool) or distributed == "auto"):
@@ -206,8 +211,13 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             raise ValueError(
                 f"batching: unknown value {batching!r}; allowed: {', '.join(BATCHING)}"
             )
+        if workspace_limit is not None and (isinstance(workspace_limit, bool) or not isinstance(
+                workspace_limit, int) or workspace_limit < 0):
+            raise ValueError("workspace_limit: expected None or a number of bytes ≥ 0, got "
+                             f"{workspace_limit!r}")
         self.distributed = distributed
         self.batching = batching
+        self.workspace_limit = workspace_limit
         self.ns_backend = canonical_backend(ns_backend)
         self.process_group = process_group
         super().__init__(params, **{k: v for k, v in given.items() if k not in self._options()})
@@ -216,7 +226,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _options(self) -> dict:
         return {"distributed": self.distributed, "batching": self.batching,
-                "ns_backend": self.ns_backend, "process_group": self.process_group}
+                "workspace_limit": self.workspace_limit, "ns_backend": self.ns_backend,
+                "process_group": self.process_group}
 
     def _check_triton(self) -> None:
         """``ns_backend="triton"`` needs triton, and CUDA tensors (or Triton's interpreter)
@@ -244,9 +255,16 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     @property
     def workspace_bytes(self) -> int:
-        """Scratch memory kept between steps (the per-matrix path's temporaries, the stacked
-        path's buffers; not optimizer state)."""
-        return self._workspace.nbytes + self._stack_workspace.nbytes
+        """Scratch memory kept between steps, not optimizer state: the stacked path's buffers as
+        planned (at most ``workspace_limit`` where one parameter per chunk allows; planned now
+        if no step has run yet) and the copies of banks staged into them (weights stored
+        transposed or as blocks, parameters below float32 with Nesterov), and the per-matrix
+        path's temporaries (one matrix's)."""
+        stacks = self._planned()
+        staged = {id(s.bank): s.bank.gather for _, chunks in stacks.values() for c in chunks
+                  for s in c.segments if s.bank.gather is not None}
+        return (self._workspace.nbytes + self._stack_workspace.nbytes
+                + sum(t.numel() * t.element_size() for t in staged.values()))
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
@@ -396,17 +414,32 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                        for index, (group, plan) in enumerate(zip(self.param_groups, plans,
                                                                  strict=True))
                        if plan is not None and plan.params and plan.replicated and split is None)
-        key = (wanted, executors.STACK_ELEMENTS)
+        key = (wanted, executors.STACK_ELEMENTS, self.workspace_limit)
         if self._stacks is None or self._stacks[0] != key:
-            self._stack_workspace = Workspace()
-            stacks = {index: (settings, plan_stacks(plans[index], settings,
-                                                    executors.STACK_ELEMENTS,
-                                                    self._stack_workspace))
-                      for index, settings in wanted if settings is not None}
+            self._stack_workspace, stacks = self._plan_stacks(plans, wanted)
             for settings, chunks in stacks.values():
                 carve(chunks, settings, self._stack_workspace)
             self._stacks = (key, stacks)
         return self._stacks[1]
+
+    def _plan_stacks(self, plans: list[GroupPlan | None], wanted: tuple) -> tuple[Workspace, dict]:
+        """The chunks of every stacked group, their buffers reserved in one workspace that the
+        chunks share (each buffer as large as its largest chunk's) and that holds at most
+        ``workspace_limit`` bytes where chunks of one parameter allow: the bytes a chunk may
+        take are lowered until the workspace fits."""
+        limit = chunk_bytes = self.workspace_limit
+        while True:
+            workspace = Workspace()
+            stacks = {index: (settings, plan_stacks(plans[index], settings,
+                                                    executors.STACK_ELEMENTS, workspace,
+                                                    chunk_bytes))
+                      for index, settings in wanted if settings is not None}
+            planned = workspace.reserved_bytes
+            several = any(len(c.segments) > 1 or c.segments[0].hi - c.segments[0].lo > 1
+                          for _, chunks in stacks.values() for c in chunks)
+            if limit is None or planned <= limit or not several:
+                return workspace, stacks
+            chunk_bytes = min(chunk_bytes * limit // planned, chunk_bytes * 15 // 16)
 
     @property
     def planned_backends(self) -> dict[tuple[int, int], str]:

@@ -100,7 +100,9 @@ class Mousse(HybridOrthogonalOptimizer):
                  precond_beta: float = 0.95, precond_eps: float = 1e-5,
                  precond_every: int = 10,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(params, **arguments(locals()))
 

@@ -80,7 +80,9 @@ class MuonPlus(HybridOrthogonalOptimizer):
                  adamw_eps: float = DEFAULTS.adamw_eps, norm_mode: str = "col_row",
                  norm_eps: float = 1e-8,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(params, **arguments(locals()))
 

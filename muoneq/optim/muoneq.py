@@ -76,6 +76,9 @@ class MuonEq(HybridOrthogonalOptimizer):
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
             or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
+        workspace_limit: bytes of scratch the stacked path may keep between steps
+            (``optimizer.workspace_bytes``): chunks of same-shape matrices hold as many as fit
+            (one parameter at least); ``None`` (default): up to 2²⁶ elements per chunk.
         capturable: a step with no host synchronization, which a CUDA graph can capture
             (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
             device tensors, read on the device (change them in place between steps, as LR
@@ -109,7 +112,9 @@ class MuonEq(HybridOrthogonalOptimizer):
                  adamw_eps: float = DEFAULTS.adamw_eps, mode: str = "R", eps: float = 1e-8,
                  ns_algorithm: str = "standard", capturable: bool = False, compile: bool = False,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None):
         given = arguments(locals())
         if not isinstance(compile, bool):

@@ -62,7 +62,9 @@ class NorMuon(HybridOrthogonalOptimizer):
                  adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.95,
                  eps: float = 1e-10,
                  distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching, ns_backend: Backend = DEFAULTS.ns_backend,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(params, **arguments(locals()))
 
