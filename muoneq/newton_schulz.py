@@ -60,6 +60,9 @@ POLAR_EXPRESS = (
     (2.34654, -1.70978, 0.42324),
 )
 NAMED_COEFFICIENTS = ("quintic", "taylor", "polar_express")
+#: An ``ns_coefficients`` value: a name of :data:`NAMED_COEFFICIENTS`, one ``(a, b, c)`` for
+#: every step, or one per step.
+Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
 NS_ALGORITHMS = ("standard", "gram")
 
 #: Steps carried in Gram space before restarting from the m×n iterate. Measured against a
@@ -357,6 +360,8 @@ def _iterate_as_stack(X: Tensor, coefficients, iterate: Callable[..., Tensor],
 #: ``(k, m, n)`` in the NS dtype (wide or tall), ``coefficients`` the per-step ``(a, b, c)``;
 #: it returns the last iterate, of ``X``'s shape.
 NS_BACKENDS = ("torch", "triton", "auto")
+#: An ``ns_backend`` value: a name of :data:`NS_BACKENDS` or a callable backend.
+Backend = str | Callable[[Tensor, tuple[tuple[float, float, float], ...]], Tensor]
 
 
 def canonical_backend(backend):
@@ -592,4 +597,10 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the reservations will take once taken (one buffer per name and dtype)."""
+        return sum(size * dtype.itemsize for (_, dtype, _), size in self._reserved.items())

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, build_optimizer, diag_pre
+from muoneq.optim import hybrid
+from muoneq.optim.engine import plan_stacks
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -23,6 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 #: 1; per group the decay 1. Before the plan (a copy into a fresh stack per matrix, the cast and
 #: the update per matrix): 353, 376 and 863.
 BUDGETS = {"gpt2_small": 125, "llama2_130m": 94, "resnet18": 311}
+#: The same for AdaMuon (the sign and its per-chunk update: second moment, bias correction on
+#: the device, RMS alignment) and Mousse on a step that refreshes no eigenbasis (per chunk the
+#: factors' update, whitening, the map back and the graft).
+METHOD_BUDGETS = {"adamuon": {"gpt2_small": 181, "llama2_130m": 136, "resnet18": 451},
+                  "mousse": {"gpt2_small": 338, "llama2_130m": 254, "resnet18": 842}}
 MODES = ["none", "R", "C", "RC"]
 
 
@@ -152,6 +159,39 @@ def test_an_added_group_is_stepped_as_in_an_optimizer_built_with_it():
         assert torch.equal(a, b)
 
 
+def stacked_and_per_matrix(method: str, steps: int = 3, reset_after: int | None = None,
+                           **options) -> dict:
+    """Parameters, state dict and the last step's dispatch of ``method`` on both paths, in
+    float64, after ``steps`` steps (the state of the first parameter reset after
+    ``reset_after`` of them)."""
+    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
+    results = {}
+    for batching in ("stacked", "per_matrix"):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = build_optimizer(method, [{"params": params}], lr=0.05, ns_dtype="float64",
+                              batching=batching, **options)
+        for step in range(steps):
+            if step == reset_after:
+                opt.state[params[0]].clear()
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            seen = dispatched(opt.step)
+        results[batching] = (params, opt.state_dict()["state"], seen)
+    return results
+
+
+def assert_same_result(results: dict) -> None:
+    (stacked, ours, _), (per_matrix, theirs, _) = results["stacked"], results["per_matrix"]
+    for a, b in zip(stacked, per_matrix, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for i, state in theirs.items():
+        assert set(ours[i]) == set(state)
+        for key, value in state.items():
+            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("method", ["normuon", "muon_plus"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(method,
@@ -159,24 +199,173 @@ def test_normuon_and_muon_plus_ride_the_stacked_path_with_the_per_matrix_result(
     """Their rules (a row second moment, banked like the momentum; column/row normalizations)
     run batched after the stacked Newton–Schulz and give the per-matrix path's parameters and
     state, in float64."""
-    shapes = [(12, 20)] * 3 + [(20, 12), (8, 3, 2, 2), (8, 12)]
-    results = {}
-    for batching in ("stacked", "per_matrix"):
+    results = stacked_and_per_matrix(method, nesterov=nesterov)
+    assert results["stacked"][2].ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("sign_momentum", [True, False])
+def test_adamuon_rides_the_stacked_path_with_the_per_matrix_result(nesterov, sign_momentum):
+    """sign(M̃) before the stacked Newton–Schulz, the element-wise second moment and the step
+    counts banked like the momentum: the per-matrix path's parameters and state, in float64."""
+    results = stacked_and_per_matrix("adamuon", steps=4, nesterov=nesterov,
+                                     sign_momentum=sign_momentum)
+    assert results["stacked"][2].ops["bmm"] == 5 * 3
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("precond_every", [1, 2])
+def test_mousse_rides_the_stacked_path_with_the_per_matrix_result(nesterov, precond_every):
+    """Kronecker factors, eigendecompositions (one batched ``eigh`` per bank and side),
+    whitening, Newton–Schulz, the map back and the graft on stacks: the per-matrix path's
+    parameters and state, in float64; a state reset in the middle restarts that matrix's
+    refresh schedule alone."""
+    results = stacked_and_per_matrix("mousse", steps=5, reset_after=2, nesterov=nesterov,
+                                     precond_every=precond_every)
+    stacked = results["stacked"][2].ops
+    # per chunk (3 shapes) NS5, per bank in it (4: the conv filter and the 8×12 matrix share
+    # a chunk) the whitening and the map back, and one batched eigh of L and of R
+    assert stacked["bmm"] == 5 * 3 + 4 * 4
+    assert stacked["_linalg_eigh"] == 2 * 4
+    assert_same_result(results)
+
+
+@pytest.mark.parametrize("method", ["adamuon", "mousse"])
+@pytest.mark.parametrize("name", BUDGETS)
+def test_adamuon_and_mousse_steps_grow_with_the_shapes_not_with_the_matrices(method, name):
+    shapes = MATRIX_SETS[name](True)
+    counts = [dispatched(stepped_with(method, s).step).ops
+              for s in (shapes, shapes * 3, halved(shapes))]
+    assert counts[0] == counts[1] == counts[2]
+    assert sum(counts[0].values()) <= METHOD_BUDGETS[method][name], counts[0]
+
+
+def stepped_with(method: str, shapes, steps: int = 2):
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked")
+    for _ in range(steps):
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
+def test_an_adamuon_step_reads_nothing_back_from_the_device(batching):
+    """Its bias correction ``1 − β₂ᵗ`` is computed from the step counts on the device."""
+    opt = stepped_with("adamuon", [(6, 4), (6, 4), (4, 6)])
+    opt.batching = batching
+    assert "_local_scalar_dense" not in dispatched(opt.step).ops
+
+
+@pytest.mark.parametrize("method", ["muoneq", "normuon", "muon_plus", "adamuon", "mousse"])
+def test_the_stacks_are_planned_once(method, monkeypatch):
+    """Later steps reuse the plan and its buffers (a method's ``finish`` is a new closure each
+    step, and must not make the settings look changed)."""
+    planned = []
+    monkeypatch.setattr(hybrid, "plan_stacks", lambda *a: planned.append(1) or plan_stacks(*a))
+    stepped_with(method, [(6, 4), (6, 4), (4, 6)], steps=3)
+    assert len(planned) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "nesterov"), [("R", True), ("none", False)])
+def test_compile_compiles_each_chunks_stages_once_and_rounds_as_eager(mode, nesterov):
+    """``compile=True`` on the stacked path: per chunk (shape) one graph for the prologue and
+    one for the update, ``fullgraph``, compiled at the first step (a learning rate changed by
+    a scheduler compiles nothing); the weights equal eager's within float32 rounding."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(12, 20)] * 3 + [(20, 12)]
+    results, graphs = [], 0
+    for compile in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        opt = MuonEq(params, lr=0.05, mode=mode, nesterov=nesterov, ns_dtype="float32",
+                     batching="stacked", compile=compile)
+        before = counters["stats"]["unique_graphs"]
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.param_groups[0]["lr"] = 0.05 / (step + 1)
+            opt.step()
+        graphs = counters["stats"]["unique_graphs"] - before
+        results.append(params)
+    assert graphs == 2 * 2
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def gpt2_workspace_by_hand(per_chunk: int) -> int:
+    """Bytes of the stacked path's buffers for the full-size GPT-2-small set, MuonEq-R, float32
+    parameters, bf16 Newton–Schulz, ``per_chunk`` matrices a chunk: each named buffer is as
+    large as its largest chunk's — M̃ (float32), the NS input and the iterate it alternates
+    with (bf16), the Gram and polynomial stacks (bf16), the row sums, ``sums + ε`` and scales
+    (float32), the norms (float32) and ``−a·η``."""
+    shapes = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
+    k = per_chunk
+    largest = {
+        "stack": max(k * m * n * 4 for m, n in shapes),
+        "ns_input": max(k * m * n * 2 for m, n in shapes),
+        "ns_iterate": max(k * m * n * 2 for m, n in shapes),
+        "ns_gram": max(k * min(m, n) ** 2 * 2 for m, n in shapes),
+        "ns_poly": max(k * min(m, n) ** 2 * 2 for m, n in shapes),
+        "row vectors": 3 * max(k * m * 4 for m, n in shapes),
+        "norm": k * 4,
+        "step": 4,
+    }
+    return sum(largest.values())
+
+
+@pytest.mark.parametrize("limit_mib", [None, 64, 44, 16, 0])
+def test_workspace_limit_bounds_the_workspace_the_plan_holds(limit_mib):
+    """Planned on the meta device (nothing allocated) for the full-size GPT-2-small set: without a
+    limit, 12 matrices a chunk and 243 MiB of buffers; a limit stacks fewer matrices per call
+    until the workspace fits, never fewer than one (its floor: 20 MiB)."""
+    shapes = MATRIX_SETS["gpt2_small"](False)
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    limit = None if limit_mib is None else limit_mib << 20
+    opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16", workspace_limit=limit)
+    planned = opt.workspace_bytes
+    chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+    if limit is None:
+        assert planned == gpt2_workspace_by_hand(12) and len(chunks) == 4
+        assert round(planned / 2**20) == 243
+    elif limit >= gpt2_workspace_by_hand(1):
+        assert planned <= limit and len(chunks) > 4
+    else:  # below the floor: one matrix per chunk
+        assert planned == gpt2_workspace_by_hand(1) and len(chunks) == 48
+        assert round(planned / 2**20) == 20
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
+    """Chunks of one or two matrices under a limit: the weights of the unbounded stacked step,
+    in float64 (each matrix's arithmetic is the same in any stack)."""
+    shapes = [(12, 20)] * 5 + [(20, 12), (8, 3, 2, 2)]
+    results = []
+    for limit in (None, 2 * 12 * 20 * 8 * 4):
         gen = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
                   for s in shapes]
-        opt = build_optimizer(method, [{"params": params}], lr=0.05, nesterov=nesterov,
-                              ns_dtype="float64", batching=batching)
+        opt = MuonEq(params, lr=0.05, mode=mode, ns_dtype="float64", batching="stacked",
+                     workspace_limit=limit)
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            seen = dispatched(opt.step)
-        results[batching] = (params, opt.state_dict()["state"])
-        if batching == "stacked":
-            assert seen.ops["bmm"] == 5 * 3  # NS5 for the 3 matrix shapes, stacked
-    (stacked, ours), (per_matrix, theirs) = results["stacked"], results["per_matrix"]
-    for a, b in zip(stacked, per_matrix, strict=True):
+            opt.step()
+        chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+        results.append((params, len(chunks), opt.workspace_bytes))
+    (unbounded, few, big), (bounded, many, small) = results
+    assert many > few and small < big
+    for a, b in zip(bounded, unbounded, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    for i, state in theirs.items():
-        for key, value in state.items():
-            torch.testing.assert_close(ours[i][key], value, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "64MB"])
+def test_a_bad_workspace_limit_is_one_line_naming_it(limit):
+    with pytest.raises(ValueError, match="^workspace_limit: expected None or a number of bytes"):
+        MuonEq([nn.Parameter(torch.randn(3, 3))], workspace_limit=limit)

@@ -112,7 +112,8 @@ CASES = [
     *[_registry_case("muoneq_nes", "matrix", mode=mode) for mode in ("C", "RC")],
     _registry_case("muoneq_nes", "matrix", ns_algorithm="gram"),
     # the planned stacked path (the accelerator default), on CPU
-    *[_stacked_case(name) for name in ("muon", "muoneq_nes", "normuon", "muon_plus")],
+    *[_stacked_case(name) for name in ("muon", "muoneq_nes", "normuon", "muon_plus", "adamuon",
+                                       "mousse")],
     _stacked_case("muoneq_nes", mode="RC"),
     _registry_case("mars_adamw", "all"),
     _registry_case("mars_adamw", "all", optimize_1d=True),

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.newton_schulz import Backend, Coefficients
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import boolean, decay, nonnegative
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.engine import Banked, StackSettings, by_segment
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -37,8 +41,10 @@ class AdaMuon(HybridOrthogonalOptimizer):
     over the 4-D shape).
 
     Persistent state per matrix: the momentum buffer, ``exp_avg_sq`` (``V``, in the matrix
-    view and the parameter's dtype; the arithmetic runs in at least float32) and ``step``.
-    ``use_muon=False`` groups take AdamW.
+    view and the parameter's dtype; the arithmetic runs in at least float32) and ``step``
+    (float32), both banked like the momentum; the stacked path (``batching``) takes the sign,
+    Newton–Schulz and this update on stacks of same-shape matrices, and no step reads a number
+    back to the host. ``use_muon=False`` groups take AdamW.
 
     Args:
         beta2: decay ``β₂`` ∈ [0, 1) of the element-wise second moment.
@@ -48,24 +54,65 @@ class AdaMuon(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "beta2": Hyper(0.999, decay, when="use_muon", annotation=float),
-        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
-        "sign_momentum": Hyper(True, boolean, when="use_muon", annotation=bool),
+        "beta2": Hyper(decay, when="use_muon"),
+        "eps": Hyper(nonnegative, when="use_muon"),
+        "sign_momentum": Hyper(boolean, when="use_muon"),
     }
+
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.999,
+                 eps: float = 1e-8, sign_momentum: bool = True,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, **arguments(locals()))
+
+    #: ``V`` and the step counts are banked like the momentum: the stacked path reads them
+    #: stacked (the counts in float32, as torch.optim keeps ``step``)
+    banked_state = {"exp_avg_sq": Banked(lambda layout: layout.matrix),
+                    "step": Banked(lambda layout: (), dtype=lambda _: torch.float32)}
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
+        if "exp_avg_sq" not in state:  # a DTensor's (the banks hold the others', at zero)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        v = state["exp_avg_sq"]
-        beta2, eps = group["beta2"], group["eps"]
         source = m_tilde.sign() if group["sign_momentum"] else m_tilde
         O = self._orthogonalizer(group, source.device)(source)
-        O = O.to(torch.promote_types(p.dtype, torch.float32))
-        state["step"] += 1
+        return self._adapted(O, state["exp_avg_sq"], state["step"], group, p.dtype)
+
+    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
+        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
+            return torch.sign(M, out=out) if group["sign_momentum"] else M
+
+        def finish(O: Tensor, segments) -> Tensor:
+            return by_segment(O, segments, lambda rows, s: self._adapted(
+                rows, s.state["exp_avg_sq"], s.state["step"], group, s.momentum.dtype))
+        return self._stacked_settings(group, plan, "none", finish, prepare)
+
+    @staticmethod
+    def _adapted(O: Tensor, v: Tensor, step: Tensor, group: dict, dtype: torch.dtype) -> Tensor:
+        """``V``'s update and the adaptive, RMS-aligned direction of one ``O`` (its ``V`` and
+        0-d ``step``) or a stack (``(k, m, n)``, steps ``(k,)``), in float32 at least
+        (``dtype``: the parameters'). The bias correction ``1 − β₂ᵗ`` is computed on the
+        device, as ``−expm1(t·ln β₂)`` (no host read; exact to rounding where ``1 − β₂ᵗ`` is
+        small)."""
+        beta2, eps = group["beta2"], group["eps"]
+        O = O.to(torch.promote_types(dtype, torch.float32))
+        step.add_(1)
         v.lerp_(O.square().to(v.dtype), 1 - beta2)
-        bias_correction2 = 1 - beta2 ** state["step"].item()
-        adapted = O / ((v.to(O.dtype) / bias_correction2).sqrt() + eps)
-        return adapted.mul_(math.sqrt(min(v.shape)) / (adapted.norm() + eps))
+        log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
+        correction = torch.expm1(step.to(O.dtype) * log_beta2).neg_()
+        adapted = O / ((v.to(O.dtype) / correction[..., None, None]).sqrt() + eps)
+        norm = torch.linalg.vector_norm(adapted, dim=(-2, -1), keepdim=True)
+        return adapted.mul_(math.sqrt(min(O.shape[-2:])) / (norm + eps))

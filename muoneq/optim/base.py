@@ -1,14 +1,22 @@
 """The base of every optimizer here: declared hyper-parameters and the ``torch.optim`` contract.
 
-A subclass declares its hyper-parameters once, each with its default and its check::
+An optimizer writes its constructor as ``torch.optim`` does, every hyper-parameter a
+keyword-only argument with its type and default (the one place each default is written; IDEs,
+type checkers, ``help()`` and the suite's config schema read it), and declares how each is
+checked::
 
     class NorMuon(HybridOrthogonalOptimizer):
-        hyperparameters = {"beta2": Hyper(0.95, decay), "eps": Hyper(1e-10, nonnegative)}
+        hyperparameters = {"beta2": Hyper(decay, when="use_muon"), "eps": Hyper(nonnegative)}
 
-and gets, from that one table: a keyword-only constructor signature (``help()``, IDEs that read
-``__signature__`` and the suite's config schema see it), the defaults of its param groups,
-validation of every group (at construction and in ``add_param_group``, which leaves no
-half-added group behind), and a "did you mean" warning for a misspelled group key.
+        def __init__(self, params, *, lr: float = DEFAULTS.lr, ..., beta2: float = 0.95,
+                     eps: float = 1e-10, ...):
+            super().__init__(params, **arguments(locals()))
+
+From the signature and that table it gets the defaults of its param groups, validation of
+every group (at construction and in ``add_param_group``, which leaves no half-added group
+behind), a "did you mean" error for a misspelled keyword and a warning for a misspelled group
+key. A constructor argument without an entry in the table is an option of how, not what, is
+computed (``batching``): not a group key.
 
 The rest of the contract, as PyTorch's own generic optimizer tests check it: the step
 evaluates the closure with gradients enabled, skips parameters without a gradient, refuses
@@ -29,24 +37,34 @@ from torch import Tensor
 
 from muoneq.optim.checks import Check, check_group_keys, closest, scalar, tensor_steps
 
+#: ``Hyper.default`` of a constructor argument: its default is its signature's.
+FROM_SIGNATURE: Any = inspect.Parameter.empty
+
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
-    """One hyper-parameter: default, check, and where it applies.
+    """How one hyper-parameter is checked, and where it applies.
 
     ``when``: a group key that must be true for the check to run (``"use_muon"``: only in
-    matrix groups). ``argument=False``: a param-group key only, not a constructor argument.
-    ``annotation``: the type shown in the signature (the suite's config schema reads it).
+    matrix groups). A constructor argument's default is the one of its keyword-only parameter
+    (filled in here by the class); a group key that is no constructor argument
+    (``argument=False``: ``use_muon``, the layout keys) declares its ``default`` here.
     """
 
-    default: Any
     check: Check
     when: str | None = None
     argument: bool = True
-    annotation: Any = inspect.Parameter.empty
+    default: Any = FROM_SIGNATURE
 
-    def with_default(self, default: Any) -> Hyper:
-        return dataclasses.replace(self, default=default)
+
+def arguments(frame: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a constructor received, from its ``locals()`` taken before anything
+    else: ``self``, ``params`` and the ``__class__`` cell dropped, a ``**`` dict merged in.
+    A subclass's explicit constructor hands them on: ``super().__init__(params,
+    **arguments(locals()))``."""
+    values = {k: v for k, v in frame.items() if k not in ("self", "params", "__class__")}
+    extra = values.pop("hyperparameters", {})
+    return {**values, **extra}
 
 
 class OptimizerBase(torch.optim.Optimizer):
@@ -58,27 +76,43 @@ class OptimizerBase(torch.optim.Optimizer):
     #: reproduces the older behaviour): a state dict without them loads with these values. A
     #: subclass's table extends its bases'.
     added_keys: ClassVar[dict[str, Any]] = {}
+    #: the keywords the constructor accepts (its signature's), in order
+    _keywords: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        written = [k for k, h in cls.__dict__.get("hyperparameters", {}).items()
+                   if h.argument and h.default is not FROM_SIGNATURE]
+        if written:
+            raise TypeError(f"{cls.__name__}: the default of {written[0]!r} is written in its "
+                            "__init__'s signature, not in the hyperparameters table")
         table, added = {}, {}
         for klass in reversed(cls.__mro__):
             table.update(klass.__dict__.get("hyperparameters", {}))
             added.update(klass.__dict__.get("added_keys", {}))
-        cls.hyperparameters, cls.added_keys = table, added
-        cls.__signature__ = _signature(cls)
+        cls.hyperparameters, cls.added_keys = _with_signature_defaults(cls, table), added
+        cls._keywords = _accepted_keywords(cls)
+
+    def __new__(cls, *args, **kwargs):
+        # A misspelled keyword: Python's own TypeError names it; this one says what was meant
+        # and lists every accepted name (the constructor runs only after this check).
+        accepted = cls._keywords
+        unknown = [k for k in kwargs if k not in accepted]
+        if unknown:
+            hint = closest(unknown[0], accepted)
+            raise TypeError(
+                f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (allowed: {', '.join(accepted)})"
+            )
+        return super().__new__(cls)
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], **hyperparameters):
         unknown = [k for k in hyperparameters
                    if k not in self.hyperparameters or not self.hyperparameters[k].argument]
-        if unknown:
-            allowed = list(inspect.signature(type(self)).parameters)[1:]  # all but params
-            hint = closest(unknown[0], allowed)
-            raise TypeError(
-                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}"
-                + (f"; did you mean {hint!r}?" if hint else "")
-                + f" (allowed: {', '.join(allowed)})"
-            )
+        if unknown:  # a subclass handed on an option as a hyper-parameter
+            raise TypeError(f"{type(self).__name__}: {unknown[0]!r} is no hyper-parameter "
+                            "(declare its check in the class's hyperparameters table)")
         defaults = {k: hyperparameters.get(k, h.default) for k, h in self.hyperparameters.items()}
         # hyper-parameters first, as torch.optim checks them before it reads params
         self._check_values(dict(defaults))
@@ -179,21 +213,33 @@ class OptimizerBase(torch.optim.Optimizer):
             self._reset_caches()
 
 
-def _signature(cls: type) -> inspect.Signature:
-    """``(params, *, <hyper-parameters>, <options of each __init__ in the MRO>)``."""
-    parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for name, hyper in cls.hyperparameters.items():
-        if hyper.argument:
-            parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                default=hyper.default,
-                                                annotation=hyper.annotation))
-    seen = {p.name for p in parameters}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or not issubclass(klass, OptimizerBase):
+def _with_signature_defaults(cls: type, table: dict[str, Hyper]) -> dict[str, Hyper]:
+    """``table`` with each constructor argument's default read from ``cls``'s signature, where
+    it is written (a subclass whose constructor only hands ``**kwargs`` on keeps its base's);
+    a new argument the signature lacks (or has without a default) is an error of the class."""
+    parameters = inspect.signature(cls).parameters
+    derived = {}
+    for name, hyper in table.items():
+        parameter = parameters.get(name)
+        if not hyper.argument or (parameter is None and hyper.default is not FROM_SIGNATURE):
+            derived[name] = hyper
             continue
-        for p in inspect.signature(init).parameters.values():
-            if p.kind is p.KEYWORD_ONLY and p.name not in seen:
-                parameters.append(p)
-                seen.add(p.name)
-    return inspect.Signature(parameters)
+        if (parameter is None or parameter.kind is not parameter.KEYWORD_ONLY
+                or parameter.default is parameter.empty):
+            raise TypeError(f"{cls.__name__}: hyper-parameter {name!r} must be a keyword-only "
+                            "argument of its __init__, with its default")
+        derived[name] = dataclasses.replace(hyper, default=parameter.default)
+    return derived
+
+
+def _accepted_keywords(cls: type) -> tuple[str, ...]:
+    """The keywords ``cls(params, ...)`` accepts: its signature's, and where it takes
+    ``**kwargs`` on to its base, the base's and the hyper-parameters."""
+    parameters = inspect.signature(cls).parameters.values()
+    names = [p.name for p in parameters if p.name != "params"
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        for klass in cls.__mro__[1:]:
+            names += [k for k in klass.__dict__.get("_keywords", ()) if k not in names]
+        names += [k for k, h in cls.hyperparameters.items() if h.argument and k not in names]
+    return tuple(names)

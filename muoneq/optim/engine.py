@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -319,17 +320,26 @@ class GroupPlan:
         return True
 
 
-#: State banked per matrix: key → its shape for a layout (the momentum: the stored parameter's).
-StateShapes = dict[str, Callable[[MatrixLayout], tuple[int, ...]]]
+@dataclass(frozen=True)
+class Banked:
+    """A method's own state kept per matrix in banks like the momentum: its shape for a
+    :class:`~muoneq.layout.MatrixLayout`, and its dtype for the parameters' (``None``: theirs)."""
+
+    shape: Callable[[MatrixLayout], tuple[int, ...]]
+    dtype: Callable[[torch.dtype], torch.dtype] | None = None
+
+
+#: State banked per matrix, by key (the momentum: the stored parameter's shape and dtype).
+StateShapes = dict[str, Banked]
 
 
 def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state: dict,
                shapes: StateShapes | None = None) -> list[Bank]:
-    """Bank the momentum (and the state of ``shapes``, in the parameters' dtype) of a group's
-    plain-tensor parameters by (layout, dtype, device): state already there is copied into its
-    bank, missing state starts at zero, and the state then holds the bank's views. ``DTensor``
-    parameters keep their own state."""
-    shapes = {"momentum_buffer": lambda layout: layout.stored, **(shapes or {})}
+    """Bank the momentum (and the state of ``shapes``) of a group's plain-tensor parameters by
+    (layout, dtype, device): state already there is copied into its bank, missing state starts
+    at zero, and the state then holds the bank's views. ``DTensor`` parameters keep their own
+    state."""
+    shapes = {"momentum_buffer": Banked(lambda layout: layout.stored), **(shapes or {})}
     keyed: dict[tuple, list[int]] = {}
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         if not is_dtensor(p):
@@ -337,9 +347,9 @@ def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state:
     banks = []
     for (layout, dtype, device), members in keyed.items():
         tensors = {}
-        for key, shape in shapes.items():
-            tensors[key] = torch.zeros((len(members), *shape(layout)), dtype=dtype,
-                                       device=device)
+        for key, banked in shapes.items():
+            tensors[key] = torch.zeros((len(members), *banked.shape(layout)), device=device,
+                                       dtype=dtype if banked.dtype is None else banked.dtype(dtype))
             for i, view in zip(members, tensors[key].unbind(0), strict=True):
                 old = state[params[i]].get(key)
                 if old is not None:
@@ -362,10 +372,20 @@ class StackSettings:
     algorithm: str
     lr_adjust: str
     backend: str | Callable = "torch"  # ns_backend
+    #: each chunk's prologue and update compiled (``compile=True``)
+    compile: bool = False
+    #: a method's map from a chunk's ``M̃`` to the matrices Newton–Schulz orthogonalizes
+    #: (AdaMuon's sign, Mousse's whitening): ``prepare(M̃, segments, out) -> input``, batched
+    #: over the ``(K, m, n)`` stack in the accumulation dtype, before DiagPre and the
+    #: normalization; ``out`` is scratch of that shape it may write (``M̃`` may be ``out``).
+    #: ``prepare`` and ``finish`` are closures over the live param group (a new one each step):
+    #: they take no part in comparing settings, else every step would plan the stacks again
+    prepare: Callable[[Tensor, list, Tensor], Tensor] | None = field(default=None,
+                                                                     compare=False)
     #: a method's map from a chunk's Newton–Schulz output to its directions (Muon+'s
     #: normalization, NorMuon's second moment): ``finish(O, segments) -> directions``, batched
     #: over the ``(K, m, n)`` stack; the segments carry the rows and banked state of each part
-    finish: Callable[[Tensor, list], Tensor] | None = None
+    finish: Callable[[Tensor, list], Tensor] | None = field(default=None, compare=False)
 
 
 @dataclass(eq=False)
@@ -395,6 +415,15 @@ class Segment:
     def count(self) -> int:
         """Matrices of the segment (parameters × experts)."""
         return (self.hi - self.lo) * self.bank.layout.count
+
+
+def by_segment(stack: Tensor, segments: list[Segment],
+               rule: Callable[[Tensor, Segment], Tensor]) -> Tensor:
+    """``rule(rows, segment)`` on each segment's rows of a chunk's ``stack`` (a method's
+    ``prepare`` or ``finish`` reads the segment's banked state), the results in the chunk's
+    order."""
+    parts = [rule(stack[s.rows], s) for s in segments]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass(eq=False)
@@ -441,6 +470,10 @@ class Chunk:
     #: chose per chunk)
     orthogonalize: Callable[..., Tensor] = iterate_stack
     backend: str = "torch"
+    #: the stages before and after Newton–Schulz (:func:`_chunk_prologue`, :func:`_update`;
+    #: compiled with ``compile=True``)
+    prologue: Callable[..., Tensor] | None = None
+    update: Callable[..., None] | None = None
 
 
 #: DiagPre's sides per mode: the dimension summed for ``D_r`` (-1) and ``D_c`` (-2).
@@ -448,10 +481,11 @@ _SIDES = {"none": (), "R": (-1,), "C": (-2,), "RC": (-1, -2)}
 
 
 def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | None,
-                workspace: Workspace) -> list[Chunk]:
+                workspace: Workspace, chunk_bytes: int | None = None) -> list[Chunk]:
     """Bucket the blocks of a group's banks by matrix shape (and dtype, device) into chunks of
-    at most ``stack_elements`` elements (at least one parameter) and reserve their buffers in
-    ``workspace``; :func:`carve` gives them out once every group is planned."""
+    at most ``stack_elements`` elements whose buffers take at most ``chunk_bytes`` (at least
+    one parameter each) and reserve their buffers in ``workspace``; :func:`carve` gives them
+    out once every group is planned."""
     if plan.banks:
         plan.decay = torch.empty((), dtype=torch.float32, device=plan.banks[0].momentum.device)
     buckets: dict[tuple, list[tuple[Bank, int]]] = {}
@@ -462,6 +496,11 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
     chunks = []
     for (shape, _, _), members in buckets.items():
         per_stack = _per_stack(shape, stack_elements, sys.maxsize)
+        if chunk_bytes is not None:
+            one = _requests(1, shape, members[0][0].accumulate, settings)
+            matrix = sum(math.prod(size) * dtype.itemsize for name, size, dtype in one
+                         if name != "step")
+            per_stack = min(per_stack, max(1, chunk_bytes // matrix))
         current: list[Segment] = []
         filled = 0
         for bank, split in members:
@@ -483,10 +522,20 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, stack_elements: int | 
 
 def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
     bank = segments[0].bank
-    rows, n = shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
+    shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
     chunk = Chunk(shape, lr_scale(shape, settings.lr_adjust), segments)
-    count, small = sum(s.count for s in segments), min(rows, n)
-    accumulate, ns = bank.accumulate, settings.dtype
+    requests = _requests(sum(s.count for s in segments), shape, bank.accumulate, settings)
+    chunk.requests = [(*r, bank.momentum.device) for r in requests]
+    for request in chunk.requests:
+        workspace.reserve(*request)
+    return chunk
+
+
+def _requests(count: int, shape: tuple[int, int], accumulate: torch.dtype,
+              settings: StackSettings) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The buffers of a chunk of ``count`` matrices of ``shape`` (:class:`Chunk`): name, shape
+    and dtype."""
+    (rows, n), small, ns = shape, min(shape), settings.dtype
     requests = [("stack", (count, rows, n), accumulate)]
     if ns != accumulate:
         requests.append(("ns_input", (count, rows, n), ns))
@@ -500,10 +549,7 @@ def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspac
             requests.append(("squares", (count, rows, n), accumulate))
     requests.append(("norm", (count, 1, 1), accumulate if settings.mode in ("R", "C") else ns))
     requests.append(("step", (1,), accumulate))
-    chunk.requests = [(*r, bank.momentum.device) for r in requests]
-    for request in chunk.requests:
-        workspace.reserve(*request)
-    return chunk
+    return requests
 
 
 def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) -> None:
@@ -525,6 +571,10 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
         _carve_segments(chunk, settings)
         if settings.algorithm != "gram":
             chunk.backend, chunk.orthogonalize = _backend(chunk, settings)
+        chunk.prologue, chunk.update = _chunk_prologue, _update
+        if settings.compile:  # MuonEq(compile=True): one graph for each stage
+            chunk.prologue = _compiled(_chunk_prologue, chunk.shape)
+            chunk.update = _compiled(_update, chunk.shape)
     _complete_banks(chunks)
 
 
@@ -627,12 +677,7 @@ def step_stacks(plan: GroupPlan, chunks: list[Chunk], grads: list[Tensor],
             if not bank.in_place:
                 _momentum_and_input(bank.gather, bank.momentum, bank.params, beta)
     for chunk in chunks:
-        for segment in chunk.segments:
-            if segment.gather is not None and settings.nesterov:
-                _momentum_and_input(segment.gather, segment.momentum, segment.params, beta)
-            elif segment.source is not None:
-                segment.stack.copy_(segment.source)
-        X = _prologue(chunk, stack, eps)
+        X = chunk.prologue(chunk, stack, beta, eps)
         if stack.algorithm == "gram":
             wide = X.size(-2) <= X.size(-1)
             found = gram_iterate(X if wide else X.mT, stack.schedule.coefficients, workspace)
@@ -663,11 +708,30 @@ def _momentum_and_input(gather: Tensor, momentum: Tensor, params: list[Tensor],
     gather.lerp_(momentum, beta)
 
 
-def _prologue(chunk: Chunk, stack: StackSettings, eps: float) -> Tensor:
-    """DiagPre (line 11) and NS's normalization of the chunk's ``M̃``, written once in the NS
-    dtype: ``X₀ = D_r^{-1/2} M̃ D_c^{-1/2} / max(s·‖D_r^{-1/2} M̃ D_c^{-1/2}‖_F, ε_NS)`` (``s``:
-    the schedule's safety factor; ``ε_NS``: :data:`~muoneq.newton_schulz.NORM_EPS`)."""
-    src, X = chunk.source, chunk.iterate[0]
+def _chunk_prologue(chunk: Chunk, stack: StackSettings, beta: float, eps: float) -> Tensor:
+    """Lines 6–11 and NS's normalization for one chunk: ``M̃`` staged into its stack (Nesterov
+    from the gathered gradients, or copied), the method's ``prepare``, then :func:`_prologue`."""
+    _stage_input(chunk, stack.nesterov, beta)
+    source = chunk.source
+    if stack.prepare is not None:
+        source = stack.prepare(source, chunk.segments, chunk.stack)
+    return _prologue(chunk, source, stack, eps)
+
+
+def _stage_input(chunk: Chunk, nesterov: bool, beta: float) -> None:
+    """``M̃`` of each segment into the chunk's stack, where it is not formed there already."""
+    for segment in chunk.segments:
+        if segment.gather is not None and nesterov:
+            _momentum_and_input(segment.gather, segment.momentum, segment.params, beta)
+        elif segment.source is not None:
+            segment.stack.copy_(segment.source)
+
+
+def _prologue(chunk: Chunk, src: Tensor, stack: StackSettings, eps: float) -> Tensor:
+    """DiagPre (line 11) and NS's normalization of the chunk's ``M̃`` (``src``), written once in
+    the NS dtype: ``X₀ = D_r^{-1/2} M̃ D_c^{-1/2} / max(s·‖D_r^{-1/2} M̃ D_c^{-1/2}‖_F, ε_NS)``
+    (``s``: the schedule's safety factor; ``ε_NS``: :data:`~muoneq.newton_schulz.NORM_EPS`)."""
+    X = chunk.iterate[0]
     sides = _SIDES[stack.mode]
     norm_scale = stack.schedule.norm_scale
     if len(sides) == 1:  # R or C: the norm from the sums, folded into the one scale vector
@@ -712,18 +776,41 @@ def _inverse_roots(sums: Tensor, shifted: Tensor, out: Tensor, eps: float) -> Te
 
 def _epilogue(chunk: Chunk, found: Tensor, lr: float | Tensor) -> None:
     """Line 13's ``X ← X − a·η·O`` for every matrix of the chunk (the decay came first); a
-    tensor ``η`` (``capturable``) scales the directions on the device first."""
+    tensor ``η`` (``capturable``) scales the directions on the device first, as does a compiled
+    update (``compile=True``: ``−a·η`` as a tensor, which a new ``η`` does not recompile)."""
     from_final = found is chunk.final and found.dtype == chunk.segments[0].momentum.dtype
     buffer = found if from_final else chunk.stack.copy_(found)
-    pick = 0 if from_final else 1
     if isinstance(lr, Tensor):
-        buffer.mul_(torch.mul(lr, -chunk.scale, out=chunk.step))
-        alpha = 1.0
+        alpha = torch.mul(lr, -chunk.scale, out=chunk.step)
+    elif chunk.update is not _update:
+        alpha = chunk.step.fill_(-lr * chunk.scale)
     else:
         alpha = -lr * chunk.scale
+    chunk.update(chunk, buffer, 0 if from_final else 1, alpha)
+
+
+def _update(chunk: Chunk, buffer: Tensor, pick: int, alpha: float | Tensor) -> None:
+    """``X ← X + α·O`` from the chunk's directions (``buffer``; ``pick``: which of its update
+    lists read it), a tensor ``α`` multiplied into the directions first."""
+    if isinstance(alpha, Tensor):
+        buffer.mul_(alpha)
+        alpha = 1.0
     if chunk.targets:
         torch._foreach_add_(chunk.targets, chunk.sources[pick], alpha=alpha)
     for back, sources in chunk.writebacks:
         back.copy_(sources[pick])
     for params, found_stored in chunk.completes:
         torch._foreach_add_(params, found_stored, alpha=alpha)
+
+
+def _compiled(fn: Callable, shape: tuple[int, int]) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` on a copy of ``fn`` with a code
+    object of its own: dynamo keeps at most ``recompile_limit`` (8) graphs per code object and,
+    with ``fullgraph``, fails past them; each chunk (one per shape: ResNet-18 has 10) compiles
+    its own copy, named for its shape in traces."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{shape[0]}x{shape[1]}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+    return torch.compile(copy, fullgraph=True, dynamic=False)
+
+

@@ -21,8 +21,10 @@ one foreach call) then :func:`muoneq.optim.engine.directions` one matrix at a ti
 every method orthogonalizing through the group's validated Newton–Schulz
 (:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
 
-A subclass declares its own hyper-parameters (:class:`~muoneq.optim.base.Hyper`), overrides
-:meth:`_direction`, and :meth:`_init_matrix_state` when it keeps state beyond the momentum.
+A subclass writes its constructor with every argument (the shared ones default to
+:data:`DEFAULTS`, its own to the values written there), declares how its own hyper-parameters
+are checked (:class:`~muoneq.optim.base.Hyper`), overrides :meth:`_direction`, and
+:meth:`_init_matrix_state` when it keeps state beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
 the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
 (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
@@ -35,6 +37,7 @@ are :mod:`muoneq.optim.executors`' business. Every path gives the one-process re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import ClassVar
@@ -42,10 +45,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import LR_ADJUST, UpdateSettings
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
+    Backend,
+    Coefficients,
     Workspace,
     canonical_backend,
     dtype_name,
@@ -57,7 +63,7 @@ from muoneq.newton_schulz import (
 )
 from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase
+from muoneq.optim.base import Hyper, OptimizerBase, arguments
 from muoneq.optim.checks import (
     betas,
     boolean,
@@ -88,6 +94,33 @@ from muoneq.optim.executors import row_shard_dim
 BATCHING = ("auto", "per_matrix", "stacked")
 
 
+@dataclasses.dataclass(frozen=True)
+class MatrixDefaults:
+    """The defaults of the arguments every matrix optimizer shares, each written once: every
+    constructor names them in its signature (``momentum: float = DEFAULTS.momentum``), so
+    ``help()``, IDEs and type checkers show each optimizer's whole signature. A method's own
+    default differs by being written there instead (Mousse's ``nesterov: bool = False``)."""
+
+    lr: float = 1e-3
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.1
+    ns_steps: int = 5
+    ns_coefficients: Coefficients = "quintic"
+    ns_dtype: str | torch.dtype = "auto"
+    lr_adjust: str = "rms"
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    distributed: bool | str = "auto"
+    batching: str = "auto"
+    workspace_limit: int | None = None
+    ns_backend: Backend = "torch"
+
+
+#: The shared defaults (:class:`MatrixDefaults`).
+DEFAULTS = MatrixDefaults()
+
+
 class HybridOrthogonalOptimizer(OptimizerBase):
     """Base class: orthogonalized updates for matrix groups, AdamW for the rest.
 
@@ -114,29 +147,31 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
       setting. Only methods whose :attr:`stateless_direction` is true can be split.
     * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
-      in one batched call, stateless directions only) or ``"auto"`` (default): stacked on
-      accelerators, per matrix on CPU.
+      in one batched call) or ``"auto"`` (default): stacked on accelerators, per matrix on CPU.
+    * ``workspace_limit``: bytes of scratch the stacked path keeps (:attr:`workspace_bytes`),
+      bounded by stacking fewer matrices per call (``None``: up to
+      :data:`~muoneq.optim.executors.STACK_ELEMENTS` elements).
     """
 
     hyperparameters = {
-        "lr": Hyper(1e-3, nonnegative, annotation=float),
-        "momentum": Hyper(0.95, decay, when="use_muon", annotation=float),
-        "nesterov": Hyper(True, boolean, when="use_muon", annotation=bool),
-        "weight_decay": Hyper(0.1, nonnegative, annotation=float),
-        "ns_steps": Hyper(5, integer(1), when="use_muon", annotation=int),
-        "ns_coefficients": Hyper("quintic", lambda key, value, group: normalize_coefficients(
+        "lr": Hyper(nonnegative),
+        "momentum": Hyper(decay, when="use_muon"),
+        "nesterov": Hyper(boolean, when="use_muon"),
+        "weight_decay": Hyper(nonnegative),
+        "ns_steps": Hyper(integer(1), when="use_muon"),
+        "ns_coefficients": Hyper(lambda key, value, group: normalize_coefficients(
             value, group["ns_steps"]), when="use_muon"),
         # "auto": bf16 on accelerators and CPUs that multiply it natively, else float32; one
         # spelling in every group
-        "ns_dtype": Hyper("auto", converted(dtype_name), annotation=str),
-        "lr_adjust": Hyper("rms", choice(*LR_ADJUST), when="use_muon", annotation=str),
-        "adamw_betas": Hyper((0.9, 0.95), betas),
-        "adamw_eps": Hyper(1e-8, nonnegative, annotation=float),
-        "use_muon": Hyper(True, boolean, argument=False),
+        "ns_dtype": Hyper(converted(dtype_name)),
+        "lr_adjust": Hyper(choice(*LR_ADJUST), when="use_muon"),
+        "adamw_betas": Hyper(betas),
+        "adamw_eps": Hyper(nonnegative),
+        "use_muon": Hyper(boolean, argument=False, default=True),
         # how the group's parameters are stored (muoneq.layout): group keys, not arguments
-        "transposed": Hyper(False, boolean, when="use_muon", argument=False),
-        "batch_dims": Hyper(0, integer(0), when="use_muon", argument=False),
-        "splits": Hyper(None, check_splits, when="use_muon", argument=False),
+        "transposed": Hyper(boolean, when="use_muon", argument=False, default=False),
+        "batch_dims": Hyper(integer(0), when="use_muon", argument=False, default=0),
+        "splits": Hyper(check_splits, when="use_muon", argument=False, default=None),
     }
     added_keys = {"transposed": False, "batch_dims": 0, "splits": None}
 
@@ -146,9 +181,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
     #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
     stateless_direction: bool = False
-    #: State of a method's own kept per matrix in banks like the momentum (key → its shape for
-    #: a :class:`~muoneq.layout.MatrixLayout`; the parameters' dtype), so that the stacked
-    #: path's ``finish`` reads it stacked.
+    #: State of a method's own kept per matrix in banks like the momentum (key → its
+    #: :class:`~muoneq.optim.engine.Banked` shape and dtype), so that the stacked path's
+    #: ``prepare`` and ``finish`` read it stacked.
     banked_state: ClassVar[StateShapes] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -156,25 +191,43 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if "_direction" in cls.__dict__ and "stateless_direction" not in cls.__dict__:
             cls.stateless_direction = False
 
-    def __init__(self, params, *, distributed: bool | str = "auto", batching: str = "auto",
-                 ns_backend: str | Callable = "torch", process_group=None, **hyperparameters):
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None, **hyperparameters):
+        given = arguments(locals())  # a subclass's own hyper-parameters come in **
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
             raise ValueError(
                 f"batching: unknown value {batching!r}; allowed: {', '.join(BATCHING)}"
             )
+        if workspace_limit is not None and (isinstance(workspace_limit, bool) or not isinstance(
+                workspace_limit, int) or workspace_limit < 0):
+            raise ValueError("workspace_limit: expected None or a number of bytes ≥ 0, got "
+                             f"{workspace_limit!r}")
         self.distributed = distributed
         self.batching = batching
+        self.workspace_limit = workspace_limit
         self.ns_backend = canonical_backend(ns_backend)
         self.process_group = process_group
-        super().__init__(params, **hyperparameters)
+        super().__init__(params, **{k: v for k, v in given.items() if k not in self._options()})
         if self.ns_backend == "triton":
             self._check_triton()
 
     def _options(self) -> dict:
         return {"distributed": self.distributed, "batching": self.batching,
-                "ns_backend": self.ns_backend, "process_group": self.process_group}
+                "workspace_limit": self.workspace_limit, "ns_backend": self.ns_backend,
+                "process_group": self.process_group}
 
     def _check_triton(self) -> None:
         """``ns_backend="triton"`` needs triton, and CUDA tensors (or Triton's interpreter)
@@ -202,9 +255,16 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     @property
     def workspace_bytes(self) -> int:
-        """Scratch memory kept between steps (the per-matrix path's temporaries, the stacked
-        path's buffers; not optimizer state)."""
-        return self._workspace.nbytes + self._stack_workspace.nbytes
+        """Scratch memory kept between steps, not optimizer state: the stacked path's buffers as
+        planned (at most ``workspace_limit`` where one parameter per chunk allows; planned now
+        if no step has run yet) and the copies of banks staged into them (weights stored
+        transposed or as blocks, parameters below float32 with Nesterov), and the per-matrix
+        path's temporaries (one matrix's)."""
+        stacks = self._planned()
+        staged = {id(s.bank): s.bank.gather for _, chunks in stacks.values() for c in chunks
+                  for s in c.segments if s.bank.gather is not None}
+        return (self._workspace.nbytes + self._stack_workspace.nbytes
+                + sum(t.numel() * t.element_size() for t in staged.values()))
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
@@ -354,17 +414,32 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                        for index, (group, plan) in enumerate(zip(self.param_groups, plans,
                                                                  strict=True))
                        if plan is not None and plan.params and plan.replicated and split is None)
-        key = (wanted, executors.STACK_ELEMENTS)
+        key = (wanted, executors.STACK_ELEMENTS, self.workspace_limit)
         if self._stacks is None or self._stacks[0] != key:
-            self._stack_workspace = Workspace()
-            stacks = {index: (settings, plan_stacks(plans[index], settings,
-                                                    executors.STACK_ELEMENTS,
-                                                    self._stack_workspace))
-                      for index, settings in wanted if settings is not None}
+            self._stack_workspace, stacks = self._plan_stacks(plans, wanted)
             for settings, chunks in stacks.values():
                 carve(chunks, settings, self._stack_workspace)
             self._stacks = (key, stacks)
         return self._stacks[1]
+
+    def _plan_stacks(self, plans: list[GroupPlan | None], wanted: tuple) -> tuple[Workspace, dict]:
+        """The chunks of every stacked group, their buffers reserved in one workspace that the
+        chunks share (each buffer as large as its largest chunk's) and that holds at most
+        ``workspace_limit`` bytes where chunks of one parameter allow: the bytes a chunk may
+        take are lowered until the workspace fits."""
+        limit = chunk_bytes = self.workspace_limit
+        while True:
+            workspace = Workspace()
+            stacks = {index: (settings, plan_stacks(plans[index], settings,
+                                                    executors.STACK_ELEMENTS, workspace,
+                                                    chunk_bytes))
+                      for index, settings in wanted if settings is not None}
+            planned = workspace.reserved_bytes
+            several = any(len(c.segments) > 1 or c.segments[0].hi - c.segments[0].lo > 1
+                          for _, chunks in stacks.values() for c in chunks)
+            if limit is None or planned <= limit or not several:
+                return workspace, stacks
+            chunk_bytes = min(chunk_bytes * limit // planned, chunk_bytes * 15 // 16)
 
     @property
     def planned_backends(self) -> dict[tuple[int, int], str]:
@@ -375,24 +450,27 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where
-        it does not apply (the method's rule is one matrix at a time). A method whose rule is
-        DiagPre (or nothing), Newton–Schulz and a batched ``finish`` returns
-        :meth:`_stacked_settings` (MuonEq, Muon+, NorMuon)."""
+        it does not apply (the method's rule is one matrix at a time). A method whose rule is a
+        batched ``prepare``, DiagPre (or nothing), Newton–Schulz and a batched ``finish``
+        returns :meth:`_stacked_settings` (every method here)."""
         return None
 
     def _stacked_settings(self, group: dict, plan: GroupPlan, mode: str,
-                          finish: Callable | None = None) -> StackSettings | None:
+                          finish: Callable | None = None,
+                          prepare: Callable | None = None) -> StackSettings | None:
         """The stacked path's settings for a group whose matrices are stacked (``batching``),
-        with ``mode`` DiagPre before Newton–Schulz and ``finish`` after it; ``None`` for a
-        compiled Newton–Schulz (``compile=True`` runs the per-slot path)."""
+        with ``prepare`` and ``mode`` DiagPre before Newton–Schulz and ``finish`` after it
+        (:class:`~muoneq.optim.engine.StackSettings`; ``compile=True`` compiles each chunk's
+        prologue and update)."""
         device = plan.params[0].device
-        if self._compiled is not None or not self._stacked(device):
+        if not self._stacked(device):
             return None
         orthogonalize = self._orthogonalizer(group, device)
         return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
                              orthogonalize.keywords["schedule"],
                              group.get("ns_algorithm", "standard"), group["lr_adjust"],
-                             self.ns_backend, finish)
+                             self.ns_backend, compile=self._compiled is not None,
+                             prepare=prepare, finish=finish)
 
     def _stacked(self, device: torch.device) -> bool:
         """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase
+from muoneq.optim.base import Hyper, OptimizerBase, arguments
 from muoneq.optim.checks import betas, boolean, nonnegative
 
 
@@ -52,13 +53,18 @@ class MarsAdamW(OptimizerBase):
     """
 
     hyperparameters = {
-        "lr": Hyper(3e-3, nonnegative, annotation=float),
-        "betas": Hyper((0.9, 0.95), betas),
-        "eps": Hyper(1e-8, nonnegative, annotation=float),
-        "weight_decay": Hyper(0.1, nonnegative, annotation=float),
-        "gamma": Hyper(0.025, nonnegative, annotation=float),
-        "optimize_1d": Hyper(False, boolean, annotation=bool),
+        "lr": Hyper(nonnegative),
+        "betas": Hyper(betas),
+        "eps": Hyper(nonnegative),
+        "weight_decay": Hyper(nonnegative),
+        "gamma": Hyper(nonnegative),
+        "optimize_1d": Hyper(boolean),
     }
+
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = 3e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, gamma: float = 0.025, optimize_1d: bool = False):
+        super().__init__(params, **arguments(locals()))
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)

@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.newton_schulz import Backend, Coefficients
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import decay, integer, nonnegative
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.engine import Banked, StackSettings, by_segment
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Eigenpairs of the trace-normalized factor, eigenvalues shifted to be ≥ ``eps``.
+    """Eigenpairs of the trace-normalized factor (or of each of a stack), eigenvalues shifted to
+    be ≥ ``eps``.
 
     ``F̂ = F·d/tr(F)`` (``d`` = size; a zero factor stays zero), ``(λ, Q) = eigh(F̂ + εI)``,
     then ``λ ← λ + max(0, −min λ) + ε`` (the official ``clean_eigenvalues``).
     """
-    size = factor.shape[0]
-    trace = factor.diagonal().sum()
+    size = factor.shape[-1]
+    trace = factor.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
     normalized = factor * torch.where(trace > 0, size / trace, 0.0)  # no host sync
     eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
     evals, evecs = torch.linalg.eigh(normalized + eps * eye)
-    return evals + (-evals.min()).clamp(min=0) + eps, evecs
+    return evals + (-evals.amin(-1, keepdim=True)).clamp(min=0) + eps, evecs
+
+
+def _accumulate(factor: Tensor, A: Tensor, B: Tensor, beta: float) -> None:
+    """``F ← β·F + (1−β)·A·B`` for one factor or a stack (``addmm``/``baddbmm``)."""
+    product = factor.mul_(beta).addmm_ if factor.ndim == 2 else factor.mul_(beta).baddbmm_
+    product(A, B, alpha=1 - beta)
 
 
 #: State kept in at least float32 whatever the parameter's dtype.
@@ -58,7 +69,10 @@ class Mousse(HybridOrthogonalOptimizer):
 
     Persistent state per matrix (heavy: m² + n² floats twice): the momentum buffer,
     ``L``, ``R``, their eigenbases ``Q_L``, ``Q_R``, eigenvalues ``lambda_L``, ``lambda_R``,
-    and ``step``. ``use_muon=False`` groups take AdamW.
+    and ``step``, banked like the momentum. The stacked path (``batching``) runs all of the
+    above on stacks of same-shape matrices, one batched ``torch.linalg.eigh`` per shape and
+    side when due; whether one is due is the one number a step reads back (per shape).
+    ``use_muon=False`` groups take AdamW.
 
     Args:
         alpha: whitening exponent ``α`` ≥ 0 (0 gives Muon).
@@ -69,24 +83,56 @@ class Mousse(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "nesterov": HybridOrthogonalOptimizer.hyperparameters["nesterov"].with_default(False),
-        "lr_adjust": HybridOrthogonalOptimizer.hyperparameters["lr_adjust"].with_default(
-            "spectral_unclamped"),
-        "alpha": Hyper(0.125, nonnegative, when="use_muon", annotation=float),
-        "precond_beta": Hyper(0.95, decay, when="use_muon", annotation=float),
-        "precond_eps": Hyper(1e-5, nonnegative, when="use_muon", annotation=float),
-        "precond_every": Hyper(10, integer(1), when="use_muon", annotation=int),
+        "alpha": Hyper(nonnegative, when="use_muon"),
+        "precond_beta": Hyper(decay, when="use_muon"),
+        "precond_eps": Hyper(nonnegative, when="use_muon"),
+        "precond_every": Hyper(integer(1), when="use_muon"),
+    }
+
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = False,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = "spectral_unclamped",
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, alpha: float = 0.125,
+                 precond_beta: float = 0.95, precond_eps: float = 1e-5,
+                 precond_every: int = 10,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, **arguments(locals()))
+
+    #: The curvature state and the step counts are banked like the momentum, in at least
+    #: float32 (the counts in float32): the stacked path reads them stacked.
+    banked_state = {
+        **{key: Banked(shape, dtype=lambda dtype: torch.promote_types(dtype, torch.float32))
+           for key, shape in {"L": lambda layout: layout.matrix[:1] * 2,
+                              "R": lambda layout: layout.matrix[1:] * 2,
+                              "Q_L": lambda layout: layout.matrix[:1] * 2,
+                              "Q_R": lambda layout: layout.matrix[1:] * 2,
+                              "lambda_L": lambda layout: layout.matrix[:1],
+                              "lambda_R": lambda layout: layout.matrix[1:]}.items()},
+        "step": Banked(lambda layout: (), dtype=lambda _: torch.float32),
     }
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
         m, n = MatrixLayout.of(p, group).matrix
         like = {"dtype": torch.promote_types(p.dtype, torch.float32), "device": p.device}
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        fresh = {"step": torch.tensor(0.0, dtype=torch.float32)}
         for side, size in (("L", m), ("R", n)):
-            state[side] = torch.zeros(size, size, **like)
-            state[f"Q_{side}"] = torch.eye(size, **like)
-            state[f"lambda_{side}"] = torch.ones(size, **like)
+            fresh[side] = torch.zeros(size, size, **like)
+            fresh[f"Q_{side}"] = torch.eye(size, **like)
+            fresh[f"lambda_{side}"] = torch.ones(size, **like)
+        for key, value in fresh.items():
+            if key in state:  # a bank's view (at zero so far)
+                state[key].copy_(value)
+            else:  # a DTensor's
+                state[key] = value
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the curvature state keeps its own
@@ -101,23 +147,61 @@ class Mousse(HybridOrthogonalOptimizer):
                 self.state[p][key] = saved[saved_id][key].to(device=p.device, dtype=dtype)
 
     def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        L, R = state["L"], state["R"]
-        # contiguous: a strided gradient would take another BLAS path and round differently
         (G,) = MatrixLayout.of(p, group).matrices(p.grad)
+        whitened = self._whitened(m_tilde, G, state, group)
+        O = self._orthogonalizer(group, whitened.device)(whitened)
+        return self._mapped_back(O, state, group)
+
+    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
+        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
+            def whiten(rows: Tensor, s) -> Tensor:
+                grads = torch.stack([p.grad for p in s.params])
+                G = s.bank.layout.stacked_blocks(grads)[s.split].reshape(rows.shape)
+                return self._whitened(rows, G, s.state, group)
+            return by_segment(M, segments, whiten)
+
+        def finish(O: Tensor, segments) -> Tensor:
+            return by_segment(O, segments, lambda rows, s: self._mapped_back(rows, s.state,
+                                                                            group))
+        return self._stacked_settings(group, plan, "none", finish, prepare)
+
+    @staticmethod
+    def _whitened(M: Tensor, G: Tensor, state: dict, group: dict) -> Tensor:
+        """The factors' update, their eigenbases when due, and ``W`` (class docstring) of one
+        ``M̃`` with its gradient ``G`` and state, or of a stack with its banked state. Which
+        matrices are due is read once (a stack's count of them)."""
+        L, R, step = state["L"], state["R"], state["step"]
+        # contiguous: a strided gradient would take another BLAS path and round differently
         G = G.to(L.dtype).contiguous()
         beta = group["precond_beta"]
-        L.mul_(beta).addmm_(G, G.T, alpha=1 - beta)
-        R.mul_(beta).addmm_(G.T, G, alpha=1 - beta)
-        state["step"] += 1
-        if (int(state["step"].item()) - 1) % group["precond_every"] == 0:
+        _accumulate(L, G, G.mT, beta)
+        _accumulate(R, G.mT, G, beta)
+        step.add_(1)
+        due = torch.remainder(step - 1, group["precond_every"]) == 0
+        count = int(due.sum())
+        if count:
             for side in ("L", "R"):
-                state[f"lambda_{side}"], state[f"Q_{side}"] = _eigenbasis(
-                    state[side], group["precond_eps"]
-                )
-        Q_L, Q_R = state["Q_L"], state["Q_R"]
-        scale_L = state["lambda_L"].pow(-group["alpha"]).unsqueeze(1)
-        scale_R = state["lambda_R"].pow(-group["alpha"]).unsqueeze(0)
-        whitened = scale_L * (Q_L.T @ m_tilde.to(L.dtype) @ Q_R) * scale_R
-        O = self._orthogonalizer(group, whitened.device)(whitened).to(L.dtype)
-        U = Q_L @ (scale_L * O * scale_R) @ Q_R.T
-        return U.mul_(O.norm() / U.norm().clamp(min=torch.finfo(U.dtype).tiny))
+                evals, evecs = _eigenbasis(state[side], group["precond_eps"])
+                if count < due.numel():  # some of a stack (a state reset, or loaded)
+                    evals = torch.where(due[..., None], evals, state[f"lambda_{side}"])
+                    evecs = torch.where(due[..., None, None], evecs, state[f"Q_{side}"])
+                state[f"lambda_{side}"].copy_(evals)
+                state[f"Q_{side}"].copy_(evecs)
+        scale_L, scale_R = Mousse._scales(state, group)
+        return scale_L * (state["Q_L"].mT @ M.to(L.dtype) @ state["Q_R"]) * scale_R
+
+    @staticmethod
+    def _mapped_back(O: Tensor, state: dict, group: dict) -> Tensor:
+        """``U`` grafted to ``‖O‖_F`` (class docstring), of one matrix or a stack."""
+        scale_L, scale_R = Mousse._scales(state, group)
+        O = O.to(state["L"].dtype)
+        U = state["Q_L"] @ (scale_L * O * scale_R) @ state["Q_R"].mT
+        norms = (torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True),
+                 torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True))
+        return U.mul_(norms[0] / norms[1].clamp(min=torch.finfo(U.dtype).tiny))
+
+    @staticmethod
+    def _scales(state: dict, group: dict) -> tuple[Tensor, Tensor]:
+        """``Λ_L^{−α}`` as a column and ``Λ_R^{−α}`` as a row (of each matrix of a stack)."""
+        return (state["lambda_L"].pow(-group["alpha"]).unsqueeze(-1),
+                state["lambda_R"].pow(-group["alpha"]).unsqueeze(-2))

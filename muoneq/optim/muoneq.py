@@ -6,15 +6,23 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import canonical_mode, equilibrate
-from muoneq.newton_schulz import canonical_algorithm, ns_flops, run_schedule
+from muoneq.newton_schulz import (
+    Backend,
+    Coefficients,
+    canonical_algorithm,
+    ns_flops,
+    run_schedule,
+)
 from muoneq.optim import executors
-from muoneq.optim.base import Hyper
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import boolean, converted, nonnegative
 from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 class MuonEq(HybridOrthogonalOptimizer):
@@ -68,32 +76,51 @@ class MuonEq(HybridOrthogonalOptimizer):
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
             or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
+        workspace_limit: bytes of scratch the stacked path may keep between steps
+            (``optimizer.workspace_bytes``): chunks of same-shape matrices hold as many as fit
+            (one parameter at least); ``None`` (default): up to 2²⁶ elements per chunk.
         capturable: a step with no host synchronization, which a CUDA graph can capture
             (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
             device tensors, read on the device (change them in place between steps, as LR
             schedulers do), AdamW's step counters live on the device; matrix groups take the
             stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
             matrix given a gradient.
-        compile: run Newton–Schulz through ``torch.compile`` (opt-in; fuses the scaling and
-            casts on GPU, rounds slightly differently from eager).
+        compile: ``torch.compile`` the step (opt-in; rounds slightly differently from eager):
+            on the stacked path each chunk's prologue (``M̃`` staged, DiagPre, the
+            normalization, the cast) and its update, ``fullgraph=True, dynamic=False`` (one
+            graph per shape and stage, compiled at the first step and again after a re-plan;
+            a new ``lr`` compiles nothing); on the per-matrix path Newton–Schulz.
         process_group: the group to split replicated matrices over (default: the world).
     """
 
     hyperparameters = {
-        "mode": Hyper("R", converted(canonical_mode), when="use_muon", annotation=str),
-        "eps": Hyper(1e-8, nonnegative, when="use_muon", annotation=float),
-        "ns_algorithm": Hyper("standard", converted(canonical_algorithm), when="use_muon",
-                              annotation=str),
-        "capturable": Hyper(False, boolean, annotation=bool),
+        "mode": Hyper(converted(canonical_mode), when="use_muon"),
+        "eps": Hyper(nonnegative, when="use_muon"),
+        "ns_algorithm": Hyper(converted(canonical_algorithm), when="use_muon"),
+        "capturable": Hyper(boolean),
     }
     added_keys = {"ns_algorithm": "standard", "capturable": False}
     stateless_direction = True
 
-    def __init__(self, params, *, compile: bool = False, **hyperparameters):
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, mode: str = "R", eps: float = 1e-8,
+                 ns_algorithm: str = "standard", capturable: bool = False, compile: bool = False,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        given = arguments(locals())
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.compile = compile
-        super().__init__(params, **hyperparameters)
+        super().__init__(params, **given)
 
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
@@ -106,7 +133,7 @@ class MuonEq(HybridOrthogonalOptimizer):
         why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
                "batching='stacked')" if group["use_muon"] and any(
                    not self._stacked(torch.device(d)) for d in devices)
-               else "compile=True runs a compiled Newton–Schulz" if self.compile
+               else "compile=True's graphs are not captured with it yet" if self.compile
                else f"{type(self).__name__} replaces MuonEq's direction"
                if type(self)._direction is not MuonEq._direction else None)
         if why is not None:
@@ -136,7 +163,7 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
         """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
-        subclass's own :meth:`_direction`, nor ``compile=True``'s Newton–Schulz)."""
+        subclass's own :meth:`_direction`)."""
         if type(self)._direction is not MuonEq._direction:
             return None
         return self._stacked_settings(group, plan, group["mode"])

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.newton_schulz import Backend, Coefficients
+from muoneq.optim.base import Hyper, arguments
 from muoneq.optim.checks import decay, nonnegative
-from muoneq.optim.engine import StackSettings
-from muoneq.optim.hybrid import HybridOrthogonalOptimizer
+from muoneq.optim.engine import Banked, StackSettings, by_segment
+from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
 
 
 class NorMuon(HybridOrthogonalOptimizer):
@@ -45,12 +48,28 @@ class NorMuon(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
-        "beta2": Hyper(0.95, decay, when="use_muon", annotation=float),
-        "eps": Hyper(1e-10, nonnegative, when="use_muon", annotation=float),
+        "beta2": Hyper(decay, when="use_muon"),
+        "eps": Hyper(nonnegative, when="use_muon"),
     }
 
+    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
+                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
+                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
+                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
+                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
+                 lr_adjust: str = DEFAULTS.lr_adjust,
+                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
+                 adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.95,
+                 eps: float = 1e-10,
+                 distributed: bool | str = DEFAULTS.distributed,
+                 batching: str = DEFAULTS.batching,
+                 workspace_limit: int | None = DEFAULTS.workspace_limit,
+                 ns_backend: Backend = DEFAULTS.ns_backend,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, **arguments(locals()))
+
     #: the second moments are banked like the momentum: the stacked path reads them stacked
-    banked_state = {"second_moment": lambda layout: (layout.matrix[0], 1)}
+    banked_state = {"second_moment": Banked(lambda layout: (layout.matrix[0], 1))}
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         super()._init_matrix_state(p, state, group)
@@ -63,10 +82,8 @@ class NorMuon(HybridOrthogonalOptimizer):
 
     def _stack_settings(self, group: dict, plan) -> StackSettings | None:
         def finish(O: Tensor, segments) -> Tensor:
-            dtype = segments[0].momentum.dtype
-            parts = [self._normalized(O[s.rows], s.state["second_moment"], group, dtype)
-                     for s in segments]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return by_segment(O, segments, lambda rows, s: self._normalized(
+                rows, s.state["second_moment"], group, s.momentum.dtype))
         return self._stacked_settings(group, plan, "none", finish)
 
     @staticmethod

@@ -67,7 +67,10 @@ def _schema_field(annotation: Any, default: Any) -> tuple[Any, dataclasses.Field
         typ = float if "float" in ann or isinstance(default, float) else int
         return typ, dataclasses.field(default=typ(default))
     if isinstance(default, str):
-        typ = str if ann in ("str", "<class 'str'>") else Any
+        # a name (``ns_dtype: str | torch.dtype``: a config writes a dtype by its name), else
+        # whatever the constructor takes (``ns_coefficients``: a name or tuples)
+        members = {m.strip() for m in ann.split("|")} - {"torch.dtype"}
+        typ = str if members <= {"str", "<class 'str'>"} else Any
         return typ, dataclasses.field(default=default)
     if isinstance(default, (tuple, list)):
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in default)
