@@ -296,13 +296,14 @@ def test_a_timing_column_says_what_it_ran_on_and_when_the_machine_was_busy():
     def run(load):
         return {"device": "AMD EPYC 7B13", "threads": 1, "cores": 2, "load_avg": load}
 
-    idle = timing_note([run(1.2), run(1.9)], ["val/ppl", "step_time_s"])
+    # 2.2: the sweep's own two trials on the two cores and its driver: not busy
+    idle = timing_note([run(1.2), run(2.2)], ["val/ppl", "step_time_s"])
     assert idle == ("\nstep_time_s measured on AMD EPYC 7B13, 1 CPU thread(s) per run, 2 cores; "
-                    "the machine's 1-minute load average at the timed steps was 1.2 to 1.9 "
+                    "the machine's 1-minute load average at the timed steps was 1.2 to 2.2 "
                     "(mean per run).\n")
-    busy = timing_note([run(1.2), run(2.5), run(3.9)], ["step_time_s"])
-    assert ("**The machine was busy** (a load above its cores) during 2 of 3 runs: a difference "
-            "in step_time_s may be the load's, not the optimizers'") in busy
+    busy = timing_note([run(1.2), run(2.3), run(3.9)], ["step_time_s"])
+    assert ("**The machine was busy** (a load over 10% above its cores) during 2 of 3 runs: a "
+            "difference in step_time_s may be the load's, not the optimizers'") in busy
     assert timing_note([run(3.0)], ["val/ppl"]) == ""  # no timing column: nothing to say
     old = timing_note([{"step_time_s": 0.1}], ["step_time_s"])
     assert "did not record the machine's load" in old
