@@ -1,6 +1,7 @@
 """``make demo`` (``muoneq demo``): a miniature of the paper's ablation, offline on a CPU.
 
-End to end, in about six minutes on two idle cores (eleven on an older AVX2-only machine).
+End to end, in about five minutes on two idle cores (4 min 50 s on an AVX2-only EPYC, its trials
+forked from a warm server: :mod:`muoneq.suite.sweeps.warm`).
 
 1. **Real text that ships with Python**: the English documentation topics every Python
    installation carries (``pydoc_data.topics``, ~465 kB, one document per topic), tokenized to
