@@ -38,9 +38,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each scalar tag's (step, value) pairs of a run, sorted: a run folder may hold several
+    event files (a resumed run, the final validation), which TensorBoard reads in the order of
+    their names (time, host, process id), not of the run."""
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag))
             for tag in events.Tags()["scalars"]}
 
 
