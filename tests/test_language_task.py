@@ -14,6 +14,7 @@ from tests.helpers.language import (  # noqa: F401 (a fixture)
     tiny_args,
     write_corpus,
 )
+from tests.helpers.sweeps import scalars
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,13 +70,6 @@ def tiny(shards, run_dir, *extra):
     return compose(tiny_args(shards, run_dir, *extra))
 
 
-def scalars(run_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)]
-
-
 @pytest.mark.slow
 def test_tiny_run_end_to_end(shards, tmp_path):
     metrics = train(tiny(shards, tmp_path / "run", "trainer.max_steps=25",
@@ -83,23 +77,24 @@ def test_tiny_run_end_to_end(shards, tmp_path):
     assert metrics["val/tokens"] == 1024  # exactly the validation budget
     assert metrics["global_step"] == 25
     assert metrics["tokens"] == 25 * 8 * 32 and metrics["tokens_per_step"] == 256
-    validations = scalars(tmp_path / "run", "val/ppl")
+    curves = scalars(tmp_path / "run")
+    validations = curves["val/ppl"]
     # every 10 steps and on the final weights, at the global step (no NaN point before)
     assert [step for step, _ in validations] == [10, 20, 25]
     # the running best is in TensorBoard too, and the lr of step k is logged at k
-    best_curve = scalars(tmp_path / "run", "best_val_ppl")
+    best_curve = curves["best_val_ppl"]
     assert [s for s, _ in best_curve] == [10, 20, 25]
     assert [v for _, v in best_curve] == pytest.approx(
         [min(v for _, v in validations[:i + 1]) for i in range(3)])
-    lrs = scalars(tmp_path / "run", "lr/muon")
-    assert [s for s, _ in lrs] == list(range(1, 26)) and scalars(tmp_path / "run", "lr/adamw")
-    assert [s for s, _ in scalars(tmp_path / "run", "train/loss")][:2] == [1, 2]
+    lrs = curves["lr/muon"]
+    assert [s for s, _ in lrs] == list(range(1, 26)) and curves["lr/adamw"]
+    assert [s for s, _ in curves["train/loss"]][:2] == [1, 2]
     assert validations[0][1] > validations[1][1] > validations[2][1]  # perplexity falls
     assert metrics["val/ppl"] == pytest.approx(validations[-1][1])
     # the final weights are the best: best.ckpt holds them, not step 20's
     best = torch.load(tmp_path / "run" / "checkpoints" / "best.ckpt", weights_only=False)
     assert best["global_step"] == 25
-    assert scalars(tmp_path / "run", "perf/tokens_per_s")
+    assert curves["perf/tokens_per_s"]
     assert metrics["best_val_ppl"] == pytest.approx(math.exp(metrics["best_val_loss"]))
     assert metrics["best_val_loss"] == pytest.approx(metrics["best"])
     assert metrics["best"] < 0.6 * math.log(257)  # from ≈ ln(vocab) at initialization

@@ -22,7 +22,7 @@ import yaml
 from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep, warm
 from muoneq.suite.sweeps.spec import DEFAULT_COMMAND, spec_from_dict, warm_module
 from tests.helpers.runtime import tiny_language
-from tests.helpers.sweeps import COMMAND, WARM_LAUNCH, load, options, write_sweep
+from tests.helpers.sweeps import COMMAND, WARM_LAUNCH, load, options, scalars, write_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 #: the objective program as the warm server preloads and forks it
@@ -234,7 +234,6 @@ def _computed(run_dir: Path) -> dict:
 @pytest.mark.slow
 def test_a_result_is_the_same_warm_or_spawned(tmp_path):
     """The same run (tiny LLaMA, muoneq train) forked warm and spawned: the same numbers."""
-    from tests.test_trial_cost import scalars
 
     base = {"experiment": "llama_tiny_shakespeare", "seeds": [0],
             "overrides": [*tiny_language(tmp_path), "trainer.max_steps=6",

@@ -15,14 +15,12 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
-from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from muoneq.suite.runtime import ConfigError, TaskModule, compose, train
 from muoneq.suite.runtime.module import compiles
@@ -32,19 +30,9 @@ from muoneq.suite.sweeps.launch import COMPILE_CACHE_ENV, trial_command
 from tests.helpers.commands import make
 from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 from tests.helpers.runtime import tiny, tiny_language
-from tests.helpers.sweeps import load, options, write_sweep
+from tests.helpers.sweeps import load, options, scalars, write_sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each scalar tag's (step, value) pairs of a run, sorted: a run folder may hold several
-    event files (a resumed run, the final validation), which TensorBoard reads in the order of
-    their names (time, host, process id), not of the run."""
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
-    events.Reload()
-    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag))
-            for tag in events.Tags()["scalars"]}
 
 
 # ----------------------------------------------------------------------------- imports

@@ -58,6 +58,15 @@ def read(folder: Path) -> EventAccumulator:
     return acc
 
 
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each scalar tag's (step, value) pairs of a run, sorted: a run folder may hold several
+    event files (a resumed run, the final validation), which TensorBoard reads in the order of
+    their names (time, host, process id), not of the run."""
+    events = read(run_dir / "tensorboard")
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag))
+            for tag in events.Tags()["scalars"]}
+
+
 def session(run_dir: Path) -> tuple[str, dict, dict[str, float]]:
     """A run's session: its group name, hparams and the last value of each scalar (read from
     its TensorBoard folder, where its curves also are)."""
