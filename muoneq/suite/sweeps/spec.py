@@ -215,11 +215,17 @@ class Point:
 
     def slug(self) -> str:
         """A folder name for the point: readable, filesystem-safe, unique."""
-        text = re.sub(r"[^A-Za-z0-9_.,=+-]+", "_", self.key.replace(" ", ",")) or "default"
-        if len(text) > 120:
-            digest = hashlib.sha1(self.key.encode()).hexdigest()[:10]
-            text = f"{text[:100]}-{digest}"
-        return text
+        return folder_name(self.key.replace(" ", ","), self.key)
+
+
+def folder_name(text: str, identity: str | None = None) -> str:
+    """``text`` as one filesystem-safe folder name: characters other than ``A-Za-z0-9_.,=+-``
+    replaced, and a name over 120 characters cut to 100 plus a digest of ``identity`` (default
+    ``text``), so that two long names stay apart."""
+    name = re.sub(r"[^A-Za-z0-9_.,=+-]+", "_", text) or "default"
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha1((identity or text).encode()).hexdigest()[:10]}"
+    return name
 
 
 def format_value(value: Any) -> str:

@@ -40,10 +40,8 @@ alone, with a warning.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import shlex
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -52,7 +50,7 @@ from typing import Any
 
 from muoneq.suite.runtime.metrics import TENSORBOARD_DIR
 from muoneq.suite.sweeps.events import HPARAMS_DIR
-from muoneq.suite.sweeps.spec import Point, SweepSpec, format_value
+from muoneq.suite.sweeps.spec import Point, SweepSpec, folder_name, format_value
 from muoneq.suite.sweeps.trial_record import TrialRecord
 
 log = logging.getLogger("muoneq.suite.sweeps")
@@ -69,14 +67,6 @@ def label(axis: str, value: Any, exact: bool = False) -> str:
     return f"{axis.removeprefix('optimizer.')}={text}"
 
 
-def _folder_name(text: str) -> str:
-    """``text`` as one folder name (as :meth:`Point.slug` makes one)."""
-    text = re.sub(r"[^A-Za-z0-9_.,=+-]+", "_", text) or "default"
-    if len(text) > 120:
-        text = f"{text[:100]}-{hashlib.sha1(text.encode()).hexdigest()[:10]}"
-    return text
-
-
 def short_names(points: Iterable[Point]) -> dict[str, str]:
     """Each point's name in the view, by its key (module docstring): its values on the axes
     that differ between ``points`` (every axis when none does), a config group's choice by
@@ -90,7 +80,7 @@ def short_names(points: Iterable[Point]) -> dict[str, str]:
         for axis, value in p.items:
             values.setdefault(axis, set()).add(format_value(value))
     differ = {a for a, v in values.items() if len(v) > 1} or set(values)
-    names = {p.key: _folder_name(",".join(
+    names = {p.key: folder_name(",".join(
         format_value(v) if a in GROUPS else label(a, v) for a, v in p.items if a in differ))
         for p in points}
     counts = Counter(names.values())
