@@ -31,7 +31,6 @@ from pathlib import Path
 
 import matplotlib
 import optuna
-from matplotlib.image import imread
 from matplotlib.ticker import NullLocator
 from optuna.distributions import (
     BaseDistribution,
@@ -42,6 +41,7 @@ from optuna.distributions import (
 from optuna.importance import PedAnovaImportanceEvaluator
 
 from muoneq.suite.files import slug
+from muoneq.suite.report.figures import _save
 from muoneq.suite.report.records import StudyData
 from muoneq.suite.report.tables import axis_name, cells, setting_label
 from muoneq.suite.sweeps import distributions
@@ -304,13 +304,10 @@ def write_views(data: StudyData, out_dir: Path, writer=None, palette=None) -> Op
                 _label_axes(fig, group)
             if kind == "slice":
                 _method_colours(fig, group, palette)
-            path = out_dir / f"{stem}.png"
-            fig.savefig(path, dpi=120, bbox_inches="tight")
-            if writer is not None:  # the saved image: Optuna's layout would cut labels off
-                tag = "optuna/" + stem.removeprefix("optuna_").replace("_", "/", 1)
-                writer.add_image(tag, imread(path), dataformats="HWC")
+            # the saved image in TensorBoard too: Optuna's layout would cut labels off
+            tag = "optuna/" + stem.removeprefix("optuna_").replace("_", "/", 1)
+            files.append(_save(fig, out_dir / f"{stem}.png", writer, tag))
             plt.close(fig)
-            files.append(path)
     return OptunaViews(varying, found, len(points), files, "; ".join(notes))
 
 

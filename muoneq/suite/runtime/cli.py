@@ -58,12 +58,15 @@ def closing_line(metrics: dict) -> str:
 
 
 def load_train(cfg):
-    """:func:`muoneq.suite.runtime.run.train`, imported for the run ``cfg``: Lightning without
-    the optional packages of torchmetrics when the run's task uses none of them
-    (:mod:`muoneq.suite.runtime.lean_imports`)."""
+    """:func:`muoneq.suite.runtime.run.train`, imported for the run ``cfg`` in a process set up
+    to train: Lightning without the optional packages of torchmetrics when the run's task uses
+    none of them (:mod:`muoneq.suite.runtime.lean_imports`), and a C allocator that keeps the
+    memory a step frees for the next (:mod:`muoneq.suite.runtime.allocator`)."""
+    from muoneq.suite.runtime.allocator import keep_freed_memory
     from muoneq.suite.runtime.lean_imports import import_lightning
     from muoneq.suite.runtime.tasks import get_task
 
+    keep_freed_memory()
     import_lightning(get_task(cfg.task.name).lean_imports)
     from muoneq.suite.runtime.run import train
 
