@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
+from muoneq.suite.runtime.config.identity import is_result_key
 from muoneq.suite.runtime.metrics import TEXT_KEYS, metric_keys
 from muoneq.suite.runtime.run import find_resume_checkpoint
 from muoneq_tasks.vision.cifar10_data import load_cifar10, normalize
@@ -189,6 +190,25 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
             if line.startswith("epoch ") and "val/acc" in line] == val_steps
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert all(math.isfinite(e.value) for t in tags for e in events.Scalars(t))
+
+
+def test_save_best_false_keeps_the_best_value_and_writes_no_best_checkpoint(tmp_path):
+    common = ("trainer.max_epochs=3", "task.data.val_size=8", "seed=3")
+    kept = train(compose(tiny(tmp_path, *common, f"run.dir={tmp_path / 'kept'}")))
+    run = tmp_path / "not_kept"
+    metrics = train(compose(tiny(tmp_path, *common, f"run.dir={run}",
+                                 "trainer.save_best=false")))
+    assert (tmp_path / "kept" / "checkpoints" / "best.ckpt").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last-step000000009.ckpt", "last-step000000009.ckpt.sha256"]
+    # the same run otherwise: the best validation value tracked and recorded all the same
+    results = ("status", "best", "final", "val/acc", "val/loss", "best_val_acc", "test/acc",
+               "test/loss", "global_step", "epochs")
+    assert [metrics[k] for k in results] == [kept[k] for k in results]
+    assert metrics["best"] == max(e.value for e in EventAccumulator(
+        str(run / "tensorboard")).Reload().Scalars("val/acc"))
+    # where best.ckpt is kept decides nothing about the result: resume=auto takes either
+    assert not is_result_key("trainer.save_best")
 
 
 def test_cifar_without_a_validation_split_selects_nothing_on_the_test_set(tmp_path):

@@ -295,6 +295,27 @@ class ChecksummedCheckpointIO(TorchCheckpointIO):
         checksum_path(Path(path)).unlink(missing_ok=True)
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """``best.ckpt``: Lightning's ``ModelCheckpoint`` on the run's ``monitor``, the one best
+    checkpoint; ``write=False`` (``trainer.save_best=false``) keeps every bit of its bookkeeping
+    (the best score, what a resumed run restores) and writes no file."""
+
+    def __init__(self, dirpath: Path, monitor: str, mode: str, write: bool = True) -> None:
+        super().__init__(
+            dirpath=dirpath, filename=BEST_NAME, monitor=monitor, mode=mode, save_top_k=1,
+            auto_insert_metric_name=False, save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        )
+        self.write = write
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        if self.write:
+            super()._save_checkpoint(trainer, filepath)
+        else:  # what ModelCheckpoint records after a save, without the file
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+
+
 class LastCheckpoint(ModelCheckpoint):
     """The run's resume point, ``last-step<N>.ckpt``: Lightning's ``ModelCheckpoint`` without a
     monitor that, once a new one is complete, prunes every older one (earlier sessions'

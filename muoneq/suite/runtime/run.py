@@ -32,7 +32,6 @@ from typing import NamedTuple, NoReturn
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -44,7 +43,7 @@ from muoneq.suite.errors import Diverged, Interrupted
 from muoneq.suite.files import atomic_write, reporting_full_disk
 from muoneq.suite.runtime import checkpoints, record, run_folder
 from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop
-from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR
+from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR, BestCheckpoint
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
 from muoneq.suite.runtime.module import compiles
@@ -135,17 +134,19 @@ def _callback(trainer: L.Trainer, kind: type, **attrs):
     raise LookupError(kind)
 
 
-def _keep_best(trainer: L.Trainer, best_cb: ModelCheckpoint, score: float | None,
+def _keep_best(trainer: L.Trainer, best_cb: BestCheckpoint, score: float | None,
                mode: str) -> None:
     """Save ``best.ckpt`` from the final weights when their extra validation beats every
-    validation of the fit (ModelCheckpoint only sees validations inside ``fit``)."""
+    validation of the fit (ModelCheckpoint only sees validations inside ``fit``; with
+    ``trainer.save_best=false`` only the score is kept)."""
     previous = best_cb.best_model_score
     improves = score is not None and (previous is None or (
         score > float(previous) if mode == "max" else score < float(previous)))
     # rank 0 decides for all: saving is a collective under DDP/FSDP
     if trainer.strategy.broadcast(improves):
         path = str(Path(best_cb.dirpath) / f"{BEST_NAME}{best_cb.FILE_EXTENSION}")
-        trainer.save_checkpoint(path)
+        if best_cb.write:
+            trainer.save_checkpoint(path)
         best_cb.best_model_score, best_cb.best_model_path = torch.tensor(score), path
 
 
@@ -368,7 +369,7 @@ def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None,
     fit_metrics = {k: _number(v) for k, v in trainer.callback_metrics.items()}
     if module.monitor is None:
         return fit_metrics, None, None
-    best_cb = _callback(trainer, ModelCheckpoint, monitor=module.monitor)
+    best_cb = _callback(trainer, BestCheckpoint, monitor=module.monitor)
     if (_callback(trainer, LastValidation).step != trainer.global_step
             or module.monitor not in trainer.callback_metrics):
         # the budget ended between validations, or a session that trained nothing continues a
@@ -432,7 +433,7 @@ def _diverged(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, stop: 
     before it; then raise :class:`~muoneq.suite.errors.Diverged`."""
     best = None
     if module.monitor is not None:
-        score = _callback(trainer, ModelCheckpoint, monitor=module.monitor).best_model_score
+        score = _callback(trainer, BestCheckpoint, monitor=module.monitor).best_model_score
         best = None if score is None else _number(score)
     _write_metrics(trainer, cfg, module, run_dir, started, {
         "status": "diverged", "diverged_at_step": stop.step, "diverged": stop.what,

@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -41,8 +41,8 @@ from muoneq.suite.runtime.callbacks import (
     StepStats,
 )
 from muoneq.suite.runtime.checkpoints import (
-    BEST_NAME,
     CHECKPOINT_DIR,
+    BestCheckpoint,
     ChecksummedCheckpointIO,
     LastCheckpoint,
     record_folder_checksums,
@@ -168,7 +168,8 @@ def build_trainer(
     every ``trainer.checkpoint_every_n_steps`` steps, and when SIGINT/SIGTERM stops the run
     (:class:`~muoneq.suite.runtime.callbacks.Interruption`), the older ones deleted only after the
     new one is complete; ``best.ckpt`` on the best ``monitor`` value after a validation (and
-    after the final one :func:`muoneq.suite.runtime.train` adds). ``monitor=None``: the task has no
+    after the final one :func:`muoneq.suite.runtime.train` adds), unless ``trainer.save_best`` is
+    false (the best value is still tracked). ``monitor=None``: the task has no
     validation set (e.g. CIFAR-10 without ``task.data.val_size``); no validation runs and no
     ``best.ckpt`` is kept. A NaN/inf loss or validation metric stops the run
     (:class:`~muoneq.suite.runtime.callbacks.Divergence`). Settings Lightning rejects (e.g. more
@@ -186,11 +187,8 @@ def build_trainer(
 
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     last = LastCheckpoint(ckpt_dir, t.checkpoint_every_n_steps)
-    best = [] if monitor is None else [ModelCheckpoint(
-        dirpath=ckpt_dir, filename=BEST_NAME, monitor=monitor, mode=monitor_mode, save_top_k=1,
-        auto_insert_metric_name=False, save_on_train_epoch_end=False,
-        enable_version_counter=False,
-    )]
+    best = [] if monitor is None else [BestCheckpoint(ckpt_dir, monitor, monitor_mode,
+                                                      write=t.save_best)]
     progress = t.progress
     if progress is ProgressMode.auto:
         progress = ProgressMode.bar if sys.stdout.isatty() else ProgressMode.log

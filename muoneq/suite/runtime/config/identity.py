@@ -16,15 +16,17 @@ from muoneq.suite.runtime.config.sources import GROUPS
 
 #: Keys (or sections, ending in ".") of a run config that cannot change what a run computes:
 #: where it is written, how progress is shown, how often it logs and checkpoints (resume is
-#: exact from any checkpoint), the loader's worker processes (every task's data order and
-#: augmentation are functions of the seed, epoch and sample only) and whether data may be
-#: downloaded. They are left out of a run's fingerprint (:mod:`muoneq.suite.runtime.record`) and of
-#: its default folder name; every other key, the device layout included (``trainer.devices``,
-#: ``trainer.num_nodes``, ``trainer.strategy``: they change the per-device batch, hence
-#: BatchNorm statistics and the order of reductions), is part of what a run is.
+#: exact from any checkpoint) and whether it keeps ``best.ckpt``, the loader's worker
+#: processes (every task's data order and augmentation are functions of the seed, epoch and
+#: sample only) and whether data may be downloaded. They are left out of a run's fingerprint
+#: (:mod:`muoneq.suite.runtime.record`) and of its default folder name; every other key, the
+#: device layout included (``trainer.devices``, ``trainer.num_nodes``, ``trainer.strategy``:
+#: they change the per-device batch, hence BatchNorm statistics and the order of reductions),
+#: is part of what a run is.
 NON_RESULT_KEYS = (
     "run.", "resume", "trainer.progress", "trainer.log_every_n_steps",
-    "trainer.checkpoint_every_n_steps", "task.data.num_workers", "task.data.download",
+    "trainer.checkpoint_every_n_steps", "trainer.save_best", "task.data.num_workers",
+    "task.data.download",
 )
 
 

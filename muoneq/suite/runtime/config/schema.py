@@ -70,7 +70,8 @@ class ScheduleConfig:
 
 
 #: ``trainer`` keys that are not ``lightning.Trainer`` arguments: the suite acts on them itself.
-SUITE_TRAINER_KEYS = ("compile", "checkpoint_every_n_steps", "progress", "divergence_patience")
+SUITE_TRAINER_KEYS = ("compile", "checkpoint_every_n_steps", "save_best", "progress",
+                      "divergence_patience")
 
 
 @dataclass
@@ -106,6 +107,10 @@ class TrainerConfig:
     compile: bool | str = "auto"
     #: Save ``last`` every N optimizer steps; ``None``: at the end of every epoch.
     checkpoint_every_n_steps: int | None = None
+    #: Write ``best.ckpt`` at each validation that improves on the run's best; ``false``: the
+    #: best value is still tracked and recorded (``metrics.json``'s ``best``), no file written
+    #: (a sweep's trials, which report their metrics; each write costs a checkpoint).
+    save_best: bool = True
     progress: ProgressMode = ProgressMode.auto
     #: Optimizer steps (a non-finite loss in any micro-batch) or validations with a NaN/inf
     #: value in a row that a run tolerates before it stops as diverged
