@@ -193,20 +193,16 @@ def test_run_folder_metrics_config_checkpoints_tensorboard(tmp_path, capsys):
 
 
 def test_save_best_false_keeps_the_best_value_and_writes_no_best_checkpoint(tmp_path):
-    common = ("trainer.max_epochs=3", "task.data.val_size=8", "seed=3")
-    kept = train(compose(tiny(tmp_path, *common, f"run.dir={tmp_path / 'kept'}")))
-    run = tmp_path / "not_kept"
-    metrics = train(compose(tiny(tmp_path, *common, f"run.dir={run}",
-                                 "trainer.save_best=false")))
-    assert (tmp_path / "kept" / "checkpoints" / "best.ckpt").is_file()
+    run = tmp_path / "run"
+    metrics = train(compose(tiny(tmp_path, "trainer.max_epochs=3", "task.data.val_size=8",
+                                 f"run.dir={run}", "trainer.save_best=false")))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "last-step000000009.ckpt", "last-step000000009.ckpt.sha256"]
-    # the same run otherwise: the best validation value tracked and recorded all the same
-    results = ("status", "best", "final", "val/acc", "val/loss", "best_val_acc", "test/acc",
-               "test/loss", "global_step", "epochs")
-    assert [metrics[k] for k in results] == [kept[k] for k in results]
-    assert metrics["best"] == max(e.value for e in EventAccumulator(
-        str(run / "tensorboard")).Reload().Scalars("val/acc"))
+    # the best validation value tracked and recorded all the same (the test above: the file)
+    accuracies = [e.value for e in EventAccumulator(str(run / "tensorboard")).Reload()
+                  .Scalars("val/acc")]
+    assert len(accuracies) == 3 and metrics["best"] == pytest.approx(max(accuracies))
+    assert metrics["best_val_acc"] == metrics["best"]
     # where best.ckpt is kept decides nothing about the result: resume=auto takes either
     assert not is_result_key("trainer.save_best")
 

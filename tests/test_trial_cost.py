@@ -57,7 +57,7 @@ def test_a_language_run_imports_no_scipy_transformers_or_torchvision(tmp_path):
 
 # ----------------------------------------------------------------------------- allocator
 FREED_AND_TAKEN_AGAIN = textwrap.dedent("""
-    import ctypes, json, resource, sys, torch
+    import ctypes, json, resource, torch
     from muoneq.suite.runtime.allocator import keep_freed_memory
 
     class Mallinfo2(ctypes.Structure):  # glibc's malloc.h
@@ -67,15 +67,20 @@ FREED_AND_TAKEN_AGAIN = textwrap.dedent("""
 
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = Mallinfo2
-    kept = keep_freed_memory() if sys.argv[1] == "kept" else None
-    faults, held = [], []
-    for _ in range(4):  # what a step does: take 48 MB in blocks, free them, again
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(6 << 20, dtype=torch.uint8) for _ in range(8)]
-        del blocks
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        held.append(libc.mallinfo2().fordblks)  # free bytes the process keeps
-    print(json.dumps([kept, faults, held]))
+
+    def rounds(n):  # what a step does: take 48 MB in blocks, free them, again
+        faults, held = [], []
+        for _ in range(n):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            blocks = [torch.ones(6 << 20, dtype=torch.uint8) for _ in range(8)]
+            del blocks
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            held.append(libc.mallinfo2().fordblks)  # free bytes the process keeps
+        return faults, held
+
+    _, held_by_default = rounds(1)
+    kept = keep_freed_memory()
+    print(json.dumps([held_by_default, kept, *rounds(4)]))
 """)
 
 
@@ -86,13 +91,9 @@ def _glibc_mallinfo2() -> bool:
 
 @pytest.mark.skipif(not _glibc_mallinfo2(), reason="glibc >= 2.33's allocator (mallinfo2)")
 def test_a_training_process_keeps_the_memory_a_step_frees():
-    def run(how: str) -> tuple:
-        done = subprocess.run([sys.executable, "-c", FREED_AND_TAKEN_AGAIN, how], timeout=120,
-                              capture_output=True, text=True, check=True)
-        return tuple(json.loads(done.stdout))
-
-    _, _, held_by_default = run("default")
-    kept, faults, held = run("kept")
+    done = subprocess.run([sys.executable, "-c", FREED_AND_TAKEN_AGAIN], timeout=120,
+                          capture_output=True, text=True, check=True)
+    held_by_default, kept, faults, held = json.loads(done.stdout)
     freed = 8 * (6 << 20)
     assert kept is True
     # glibc by default maps each 6 MB block on its own and unmaps it when it is freed

@@ -1,6 +1,6 @@
 """``make demo`` (``muoneq demo``): a miniature of the paper's ablation, offline on a CPU.
 
-End to end, in about four minutes on two cores (3 min 44 s to 3 min 57 s on an AVX2-only EPYC,
+End to end, in about four minutes on two cores (3 min 44 s to 3 min 58 s on an AVX2-only EPYC,
 its trials forked from a warm server: :mod:`muoneq.suite.sweeps.warm`).
 
 1. **Real text that ships with Python**: the English documentation topics every Python
