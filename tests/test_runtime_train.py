@@ -15,12 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite.machine import device_name
 from muoneq.suite.runtime import ConfigError, RunFolderError, compose, conf_dir, train
+from muoneq.suite.runtime.checkpoints import BestCheckpoint
 from muoneq.suite.runtime.config.identity import is_result_key
 from muoneq.suite.runtime.metrics import TEXT_KEYS, metric_keys
 from muoneq.suite.runtime.run import find_resume_checkpoint
@@ -205,6 +207,14 @@ def test_save_best_false_keeps_the_best_value_and_writes_no_best_checkpoint(tmp_
     assert metrics["best_val_acc"] == metrics["best"]
     # where best.ckpt is kept decides nothing about the result: resume=auto takes either
     assert not is_result_key("trainer.save_best")
+
+
+def test_the_best_checkpoint_keeps_the_state_key_of_lightnings_model_checkpoint(tmp_path):
+    # a run checkpointed with Lightning's own ModelCheckpoint resumes with its best score
+    ours = BestCheckpoint(tmp_path, "val/loss", "min", write=False)
+    theirs = ModelCheckpoint(dirpath=tmp_path, filename="best", monitor="val/loss", mode="min",
+                             save_top_k=1)
+    assert ours.state_key == theirs.state_key
 
 
 def test_cifar_without_a_validation_split_selects_nothing_on_the_test_set(tmp_path):

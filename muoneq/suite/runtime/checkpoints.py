@@ -308,6 +308,13 @@ class BestCheckpoint(ModelCheckpoint):
         )
         self.write = write
 
+    @property
+    def state_key(self) -> str:
+        """The key ``ModelCheckpoint`` saves its state under (Lightning prefixes the class name):
+        a run checkpointed before this class existed resumes with its best score."""
+        return ModelCheckpoint.__qualname__ + super().state_key.removeprefix(
+            type(self).__qualname__)
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if self.write:
             super()._save_checkpoint(trainer, filepath)
