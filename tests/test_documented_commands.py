@@ -199,7 +199,7 @@ class Doc:
 
 MAKE_TEST = "a test of this module runs this target through make"
 README_COMMANDS: dict[str, Doc] = {
-    "make demo": Doc("skip", "the main job itself (~10 min on 2 cores), run by hand"),
+    "make demo": Doc("skip", "the main job itself (~4 min on 2 cores), run by hand"),
     "make test": Doc("skip", "this suite"),
     "muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 seed=1":
         Doc("run", "muoneq train: finished runs/cifar10_resnet18-muoneq_nes-seed1-",
