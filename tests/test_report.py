@@ -4,11 +4,14 @@ and a study read back from its Optuna storage."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 
+import numpy as np
 import pytest
 from matplotlib.image import imread
 from optuna.trial import TrialState
+from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
 from muoneq.suite.report import load_study_data, write_report
 from muoneq.suite.report.cli import main as report_main
@@ -310,6 +313,16 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
                     "optuna_slice_Muon-Nes.png", "optuna_slice_MuonEq-Nes.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
+    # TensorBoard holds each figure as its PNG, pixel for pixel, under one tag each
+    events = EventAccumulator(str(report.out_dir / "tensorboard"),
+                              size_guidance={IMAGES: 0}).Reload()
+    images = {tag: imread(io.BytesIO(events.Images(tag)[-1].encoded_image_string))
+              for tag in events.Tags()[IMAGES]}
+    assert len(images) == len(pngs)
+    for name in pngs:
+        logged = [tag for tag in images if tag.rsplit("/", 1)[-1] in name]
+        assert any(np.array_equal(images[tag], imread(report.out_dir / name))
+                   for tag in logged), name
 
 
 def test_heatmap_cells_side_by_side_print_apart(tmp_path):

@@ -29,6 +29,7 @@ from muoneq.suite.runtime.run import find_resume_checkpoint
 from muoneq_tasks.vision.cifar10_data import load_cifar10, normalize
 from muoneq_tasks.vision.resnet import CifarResNet
 from tests.helpers.runtime import TINY_RUNS, Losses, StopAt, tiny
+from tests.helpers.sweeps import scalars
 
 EXPERIMENTS = sorted((conf_dir() / "experiment").glob("*.yaml"))
 
@@ -201,8 +202,7 @@ def test_save_best_false_keeps_the_best_value_and_writes_no_best_checkpoint(tmp_
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "last-step000000009.ckpt", "last-step000000009.ckpt.sha256"]
     # the best validation value tracked and recorded all the same (the test above: the file)
-    accuracies = [e.value for e in EventAccumulator(str(run / "tensorboard")).Reload()
-                  .Scalars("val/acc")]
+    accuracies = [value for _, value in scalars(run)["val/acc"]]
     assert len(accuracies) == 3 and metrics["best"] == pytest.approx(max(accuracies))
     assert metrics["best_val_acc"] == metrics["best"]
     # where best.ckpt is kept decides nothing about the result: resume=auto takes either
