@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep, warm
-from muoneq.suite.sweeps.spec import DEFAULT_COMMAND, spec_from_dict, warm_module
+from muoneq.suite.sweeps.launch import warm_module
+from muoneq.suite.sweeps.spec import DEFAULT_COMMAND, spec_from_dict
 from tests.helpers.runtime import tiny_language
 from tests.helpers.sweeps import COMMAND, WARM_LAUNCH, load, options, scalars, write_sweep
 
@@ -87,8 +88,9 @@ def test_a_forked_trial_has_its_own_process_environment_threads_and_lock(tmp_pat
     """torch sizes its CPU threads from OMP_NUM_THREADS when imported, which the server did
     with 1: a trial gets its own value, or without one what torch chooses in a new process."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    chosen = subprocess.run([sys.executable, "-c", warm.THREADS_PROBE], env=env, check=True,
-                            capture_output=True, text=True).stdout.strip()
+    chosen = str(json.loads(subprocess.run(
+        [sys.executable, "-c", warm.THREADS_PROBE], env=env, check=True, capture_output=True,
+        text=True).stdout)[0])
     server = warm.Server(OBJECTIVE_MODULE, env, tmp_path / "server.log")
     server.start()
     try:

@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from muoneq.suite import code_version
     from muoneq.suite.benchmarks.bench_step import device_name
-    from muoneq.suite.runtime.record import git_commit
 
     torch.set_num_threads(args.threads)
     folder = args.out / ("trial_quick" if args.quick else "trial")
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "threads": args.threads, "torch": torch.__version__, "quick": args.quick,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": git_commit(), "cpus": os.cpu_count()}
+              "commit": code_version.taken().commit, "cpus": os.cpu_count()}
     if "phases" in parts:
         result["phases"] = part_phases(folder, args.quick)
     if "warm" in parts:
