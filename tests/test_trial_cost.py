@@ -130,6 +130,27 @@ def test_lean_imports_hide_the_packages_only_while_lightning_is_imported():
     assert bound("scipy")  # asked later through a name bound inside: the truth too
 
 
+def test_lean_imports_still_hide_the_packages_on_the_installed_lightning():
+    """lean_imports replaces a private method of lightning_utilities
+    (``RequirementCache._check_requirement``) and its ``package_available`` while Lightning is
+    imported; a release that renames either leaves ``muoneq train`` importing everything again,
+    only slower, with no word: this test is that word."""
+    from lightning_utilities.core import imports
+
+    for owner, name in ((imports.RequirementCache, "_check_requirement"),
+                        (imports, "package_available")):
+        assert callable(getattr(owner, name, None)), (
+            f"lightning_utilities has no {name} any more: muoneq.suite.runtime.lean_imports "
+            "hides nothing; follow the new hook or remove lean_imports")
+    code = ("import json, sys; from muoneq.suite.runtime.lean_imports import OPTIONAL, "
+            "import_lightning; import_lightning(True); "
+            "print(json.dumps(sorted(OPTIONAL & {m.partition('.')[0] for m in sys.modules})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [], "Lightning imported them anyway"
+
+
 # ----------------------------------------------------------------------------- logging
 def test_step_values_are_logged_only_on_the_steps_that_keep_them(shards, tmp_path,
                                                                  monkeypatch):

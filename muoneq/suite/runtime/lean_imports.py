@@ -15,6 +15,12 @@ of them through torchmetrics (:attr:`muoneq.suite.runtime.tasks.TaskSpec.lean_im
 this way. Nothing else changes: the packages stay importable (a language run of a Hugging Face
 model imports transformers itself; a vision run may download CIFAR-10 with torchvision), and
 checks made after Lightning's import get the true answer.
+
+It serves a process that imports Lightning for one run: ``muoneq train`` typed by hand, a
+spawned trial (:func:`muoneq.suite.runtime.cli.load_train`). A warm server
+(:mod:`muoneq.suite.sweeps.warm`) imports Lightning as it is: once per sweep, so the seconds
+saved are shared by its trials, and its trials keep every metric of torchmetrics. The hooks are
+private to ``lightning_utilities``: ``tests/test_trial_cost.py`` fails when they change.
 """
 
 from __future__ import annotations
