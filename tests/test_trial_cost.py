@@ -341,10 +341,20 @@ def test_make_bench_trial_quick_says_what_it_measured(tmp_path):
         assert "other 9 steps" in phases and list(phases)[-1] == "exit"
         assert sum(phases.values()) == pytest.approx(result[part]["wall_s"], rel=1e-6)
         assert 0 < result[part]["to_first_step_s"] < result[part]["wall_s"]
-    assert result["warm"]["server_ready_s"] > 0
+    assert result["warm"]["server_ready_s"] > 0 and result["warm"]["server_modules"] > 1000
+    study = result["study"]
+    assert study["trials"] == 2 and len(study["import_torch_all_s"]) == 6
+    for name in ("warm", "spawned"):
+        assert study[name]["per_trial_s"] == pytest.approx(study[name]["wall_s"] / 2)
+        assert study[name]["per_import_torch"] == pytest.approx(
+            study[name]["per_trial_s"] / study["import_torch_s"])
+    assert study["warm"]["server_modules"] > 1000 and "server_modules" not in study["spawned"]
     for name in ("llama", "resnet"):
         loop = result["loop"][name]
         assert loop["raw_steps"] >= 2 and loop["loop_factor"] > 0 and loop["step_factor"] > 0
     assert "QUICK RUN: smoke values" in done.stdout
     assert "| phase | spawned s | share | warm s | share |" in done.stdout
     assert "| workload | steps |" in done.stdout
+    assert "| trials | study s | per trial s | per trial / import torch | warm server |" in \
+        done.stdout
+    assert (tmp_path / "trial_cpu_quick.md").read_text().startswith("# make bench-trial")
