@@ -186,20 +186,24 @@ def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
 # ----------------------------------------------------------------------------- the server
 def preload(module: str) -> None:
     """Import what a trial of ``python -m module`` imports before its work: for ``muoneq``
-    the runtime (Lightning, the tasks' packages, ``muoneq train``'s modules); else the module
-    itself (its top level: a ``-m`` module keeps its program under
+    the runtime as ``muoneq train`` imports it (Lightning without torchmetrics' optional
+    packages when every installed task allows it: :mod:`muoneq.suite.runtime.lean_imports`, so
+    that a forked trial has the metrics a spawned one has) and the tasks' packages; else the
+    module itself (its top level: a ``-m`` module keeps its program under
     ``if __name__ == "__main__":``) or, for a package, the package (not its ``__main__``)."""
     if module != RUNTIME_MODULE:
         importlib.import_module(module)
         return
-    for name in ("lightning.pytorch", "muoneq.suite.cli", "muoneq.suite.runtime.cli",
-                 "muoneq.suite.runtime.run", "muoneq.suite.runtime.tasks"):
-        importlib.import_module(name)
+    from muoneq.suite.runtime.lean_imports import import_lightning
     from muoneq.suite.runtime.tasks import get_task, task_names
 
-    for name in task_names():
-        with contextlib.suppress(ValueError, TypeError):  # one that cannot load: its runs say so
-            get_task(name)
+    try:
+        lean = all(get_task(name).lean_imports for name in task_names())
+    except (ValueError, TypeError):  # a task that cannot load: its runs will say so
+        lean = False
+    import_lightning(lean)
+    for name in ("muoneq.suite.cli", "muoneq.suite.runtime.cli", "muoneq.suite.runtime.run"):
+        importlib.import_module(name)
 
 
 def _threads() -> int:
