@@ -62,7 +62,7 @@ figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/R
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
 	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
 
-bench-trial: $(STAMP) ## what a demo trial pays besides its steps; the training loop's overhead -> runs/bench/trial_cpu.json (QUICK=1: smoke run; OUT=)
+bench-trial: $(STAMP) ## what a trial pays besides its steps (a demo trial, a six-trial study beside `import torch`), the loop overhead -> benchmarks/results/trial_cpu.{json,md} (QUICK=1: smoke run; OUT=)
 	$(PY) -m muoneq bench-trial $(if $(QUICK),--quick) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 # The GPU check (docs/performance.md "GPU check"): on a lent GPU machine without a registry, carry the wheels

@@ -16,7 +16,8 @@ import lightning as L
 import pytest
 import torch
 
-from muoneq.suite.runtime import compose, record, train
+from muoneq.suite import code_version
+from muoneq.suite.runtime import compose, train
 from tests.helpers.gpu import GPU_NS_DTYPE, ns5_errors
 from tests.helpers.runtime import tiny_language
 
@@ -67,9 +68,9 @@ def test_final_metrics_of_a_cuda_run_read_the_device_it_trained_on(tmp_path, stu
 
 def provenance(package_root: Path, **env) -> dict:
     """The commit and dirty flag ``muoneq`` records when imported from ``package_root``."""
-    code = ("import json; from muoneq.suite.runtime import record; "
-            "print(json.dumps([record.git_commit(), record.git_dirty()]))")
-    environment = {k: v for k, v in os.environ.items() if k != record.COMMIT_ENV}
+    code = ("import json; from muoneq.suite import code_version; "
+            "version = code_version.taken(); print(json.dumps([version.commit, version.dirty]))")
+    environment = {k: v for k, v in os.environ.items() if k != code_version.COMMIT_ENV}
     done = subprocess.run([sys.executable, "-c", code], cwd=package_root, text=True,
                           capture_output=True, timeout=300,
                           env={**environment, "PYTHONPATH": str(package_root), **env})
@@ -96,7 +97,7 @@ def test_the_commit_is_the_checkouts_own_or_the_one_passed(tmp_path):
     git(outer, "commit", "-qm", "another project")
     assert provenance(copy) == {"commit": None, "dirty": None}
     given = "43ad865" + "0" * 33
-    assert provenance(copy, **{record.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
+    assert provenance(copy, **{code_version.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
 
     # a checkout of its own: its HEAD, and whether its tracked files changed
     git(copy, "init", "-q")
@@ -107,7 +108,7 @@ def test_the_commit_is_the_checkouts_own_or_the_one_passed(tmp_path):
     with (copy / "muoneq" / "suite" / "folders.py").open("a") as tracked:
         tracked.write("# changed\n")
     assert provenance(copy) == {"commit": head, "dirty": True}
-    assert provenance(copy, **{record.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
+    assert provenance(copy, **{code_version.COMMIT_ENV: given}) == {"commit": given, "dirty": None}
 
 
 def test_the_gpu_tests_accuracy_reference_runs_in_the_gpus_dtype():

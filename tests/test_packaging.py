@@ -119,6 +119,56 @@ def test_the_library_never_imports_the_suite():
         assert "import_module(" not in text and "__import__(" not in text, path
 
 
+def run_time_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports when it runs, at any depth (a function's
+    imports too; ``if TYPE_CHECKING:`` blocks, which never run, left out), ``from package import
+    module`` as that module."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                   for n in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, (base, node.module)))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found & modules
+
+
+def test_no_import_circle_in_the_sweeps():
+    """muoneq.suite.sweeps' modules import each other in one direction (a warm server imports
+    warm.py, which must pull nothing of the sweep with it)."""
+    folder = ROOT / "muoneq" / "suite" / "sweeps"
+    names = {p: ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+             for p in folder.glob("*.py")}
+    graph = {names[p]: run_time_imports(p, set(names.values())) - {names[p]} for p in names}
+    visiting: list[str] = []
+
+    def visit(module: str, done: set[str]) -> None:
+        if module in visiting:
+            raise AssertionError("import circle: " + " → ".join(
+                [*visiting[visiting.index(module):], module]))
+        if module in done:
+            return
+        visiting.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported, done)
+        visiting.pop()
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        visit(module, done)
+    assert graph["muoneq.suite.sweeps.warm"] == set()
+
+
 def test_the_suite_reaches_the_workloads_through_the_task_registry():
     """The import rule's other direction: no module of muoneq/suite/ imports a workload
     (``muoneq_tasks``), by an import statement or by a module path it imports at run time; it

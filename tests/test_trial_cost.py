@@ -130,6 +130,27 @@ def test_lean_imports_hide_the_packages_only_while_lightning_is_imported():
     assert bound("scipy")  # asked later through a name bound inside: the truth too
 
 
+def test_lean_imports_still_hide_the_packages_on_the_installed_lightning():
+    """lean_imports replaces a private method of lightning_utilities
+    (``RequirementCache._check_requirement``) and its ``package_available`` while Lightning is
+    imported; a release that renames either leaves ``muoneq train`` importing everything again,
+    only slower, with no word: this test is that word."""
+    from lightning_utilities.core import imports
+
+    for owner, name in ((imports.RequirementCache, "_check_requirement"),
+                        (imports, "package_available")):
+        assert callable(getattr(owner, name, None)), (
+            f"lightning_utilities has no {name} any more: muoneq.suite.runtime.lean_imports "
+            "hides nothing; follow the new hook or remove lean_imports")
+    code = ("import json, sys; from muoneq.suite.runtime.lean_imports import OPTIONAL, "
+            "import_lightning; import_lightning(True); "
+            "print(json.dumps(sorted(OPTIONAL & {m.partition('.')[0] for m in sys.modules})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [], "Lightning imported them anyway"
+
+
 # ----------------------------------------------------------------------------- logging
 def test_step_values_are_logged_only_on_the_steps_that_keep_them(shards, tmp_path,
                                                                  monkeypatch):
@@ -320,10 +341,20 @@ def test_make_bench_trial_quick_says_what_it_measured(tmp_path):
         assert "other 9 steps" in phases and list(phases)[-1] == "exit"
         assert sum(phases.values()) == pytest.approx(result[part]["wall_s"], rel=1e-6)
         assert 0 < result[part]["to_first_step_s"] < result[part]["wall_s"]
-    assert result["warm"]["server_ready_s"] > 0
+    assert result["warm"]["server_ready_s"] > 0 and result["warm"]["server_modules"] > 1000
+    study = result["study"]
+    assert study["trials"] == 2 and len(study["import_torch_all_s"]) == 6
+    for name in ("warm", "spawned"):
+        assert study[name]["per_trial_s"] == pytest.approx(study[name]["wall_s"] / 2)
+        assert study[name]["per_import_torch"] == pytest.approx(
+            study[name]["per_trial_s"] / study["import_torch_s"])
+    assert study["warm"]["server_modules"] > 1000 and "server_modules" not in study["spawned"]
     for name in ("llama", "resnet"):
         loop = result["loop"][name]
         assert loop["raw_steps"] >= 2 and loop["loop_factor"] > 0 and loop["step_factor"] > 0
     assert "QUICK RUN: smoke values" in done.stdout
     assert "| phase | spawned s | share | warm s | share |" in done.stdout
     assert "| workload | steps |" in done.stdout
+    assert "| trials | study s | per trial s | per trial / import torch | warm server |" in \
+        done.stdout
+    assert (tmp_path / "trial_cpu_quick.md").read_text().startswith("# make bench-trial")

@@ -1,7 +1,8 @@
 """What a sweep's trial pays besides its optimizer steps: ``muoneq bench-trial``
 (``make bench-trial``).
 
-Two parts, each printed as a table and written to ``runs/bench/trial_<device>.json``:
+Three parts, each printed as a table and written to ``benchmarks/results/trial_cpu.json`` and
+``trial_cpu.md`` (their runs under ``runs/bench``):
 
 1. ``phases``: one trial of ``make demo`` (its first run: a tiny LLaMA, 100 steps, validated
    every 5) run as the sweep runs it (:func:`muoneq.suite.sweeps.launch.trial_command`: the
@@ -13,7 +14,13 @@ Two parts, each printed as a table and written to ``runs/bench/trial_<device>.js
    ``warm``: the same trial forked by a warm server (:mod:`muoneq.suite.sweeps.warm`, as
    ``make demo`` runs its trials), traced the same way (process start: from the request to the
    fork to its first statement), and what the server's start took (once per sweep).
-2. ``loop``: per workload (``llama``: that demo trial; ``resnet``: the CIFAR-10 recipe's
+2. ``study``: a study of six 2-step trials of the demo's model (two with ``--quick``), run as
+   its ``muoneq sweep`` command with one worker, warm (``launch.warm=true``) and spawned
+   (``launch.warm=false``): its wall time per trial, the trial's fixed cost as a user pays it
+   (driver, preflight, server, imports, exit), beside a cold ``import torch`` (a new process,
+   three times before and three after the studies: their median), and the warm server's module
+   count and import time (the driver's log).
+3. ``loop``: per workload (``llama``: that demo trial; ``resnet``: the CIFAR-10 recipe's
    ResNet-18 at width 8 on 2,560 synthetic images, one epoch, its test pass on 512), in this
    process, the run through :func:`muoneq.suite.runtime.train` with a trace and, between its own
    steps, the same work without Lightning (:func:`paired_trace`): the *raw step* (forward,
@@ -45,6 +52,8 @@ import dataclasses
 import datetime
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,7 +78,12 @@ WARM_CHILD = "muoneq.suite.benchmarks.trial_child"
 #: The first phase of a trial: from its start to its first statement.
 PROCESS_START = "process start"
 #: The parts, in order.
-PARTS = ("phases", "warm", "loop")
+PARTS = ("phases", "warm", "study", "loop")
+#: Trials of the ``study`` part (``--quick``: the second), each a point of its grid.
+STUDY_TRIALS = (6, 2)
+#: The driver's line of a ready warm server (:class:`muoneq.suite.sweeps.launch.Launcher`).
+SERVER_READY = re.compile(r"warm server ready \(pid \d+\): (\d+) modules imported, ([\d.]+) s "
+                          r"after its start")
 
 
 def load() -> list[float]:
@@ -219,7 +233,61 @@ def part_warm(folder: Path, quick: bool) -> dict:
     if code != 0:
         raise RuntimeError(f"the traced warm trial failed ({code}): see {log.name}")
     return {"load_before": before, "load_after": load(), "server_ready_s": ready,
+            "server_modules": server.modules,
             **_phases(spawned, exited, json.loads(out.read_text()))}
+
+
+def cold_import_torch() -> float:
+    """Seconds from the start of a new interpreter to its exit after ``import torch``."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - started
+
+
+def part_study(folder: Path, quick: bool) -> dict:
+    """A study of 2-step trials, warm and spawned, beside a cold ``import torch`` (see the
+    module docstring)."""
+    import yaml
+
+    from muoneq.suite.demo import demo_sweep, prepare_text
+
+    data = folder / "demo_data"
+    prepare_text(data)
+    trials = STUDY_TRIALS[quick]
+    before = load()
+    torch_s = [cold_import_torch() for _ in range(3)]
+    result: dict = {"trials": trials}
+    for choice, name in (("true", "warm"), ("false", "spawned")):
+        sweep = demo_sweep(data)
+        for key in ("bracket", "report"):
+            sweep.pop(key)
+        sweep.update(study=f"bench-study-{name}", seeds=[0],
+                     overrides=[*sweep["overrides"], "trainer.max_steps=2"],
+                     grid=[{"optimizer": ["adamw"],
+                            "optimizer.lr": [round(1e-3 * (i + 1), 4) for i in range(trials)]}],
+                     launch={**sweep["launch"], "warm": choice})
+        path = folder / f"study_{name}.yaml"
+        path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+        runs = folder / "study_runs"
+        if (runs / sweep["study"]).is_dir():  # this benchmark's own study of an earlier call
+            shutil.rmtree(runs / sweep["study"])
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "muoneq", "sweep", str(path), "--runs-dir",
+                               str(runs)], capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"the {name} study failed ({done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
+        ready = SERVER_READY.search(done.stderr + done.stdout)
+        result[name] = {"wall_s": wall, "per_trial_s": wall / trials,
+                        **({"server_modules": int(ready[1]), "server_import_s": float(ready[2])}
+                           if ready else {})}
+    torch_s += [cold_import_torch() for _ in range(3)]
+    result.update(import_torch_s=statistics.median(torch_s), import_torch_all_s=torch_s,
+                  load_before=before, load_after=load())
+    for name in ("warm", "spawned"):
+        result[name]["per_import_torch"] = result[name]["per_trial_s"] / result["import_torch_s"]
+    return result
 
 
 def _run_dir(argv: list[str]) -> Path:
@@ -407,8 +475,9 @@ def tables(result: dict) -> str:
         lines += ["**One demo trial, as its sweep runs it**: spawned as its command, or forked "
                   "by a warm server", ""]
         for name, r in runs.items():
-            server = (f"; the server was ready {r['server_ready_s']:.1f} s after its start "
-                      "(once per sweep)" if "server_ready_s" in r else "")
+            server = (f"; the server was ready {r['server_ready_s']:.1f} s after its start, "
+                      f"{r['server_modules']:,} modules imported (once per sweep)"
+                      if "server_ready_s" in r else "")
             lines.append(f"- {name}: {r['wall_s']:.1f} s in all, {r['to_first_step_s']:.1f} s "
                          f"to the end of its first step; load {r['load_before']} → "
                          f"{r['load_after']}{server}")
@@ -422,6 +491,21 @@ def tables(result: dict) -> str:
                 s = list(r["phases_s"].values())[i]
                 cells.append(f"{s:.2f} | {s / totals[n]:.0%}")
             lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+        lines.append("")
+    study = result.get("study")
+    if study:
+        lines += [f"**A study of {study['trials']} trials of 2 steps** (`muoneq sweep`, one "
+                  "worker) beside a cold `import torch` (a new process: "
+                  f"{study['import_torch_s']:.2f} s, the median of six, three before and three "
+                  f"after; load {study['load_before']} → {study['load_after']})", "",
+                  "| trials | study s | per trial s | per trial / import torch | warm server |",
+                  "|---|---:|---:|---:|---|"]
+        for name in ("warm", "spawned"):
+            r = study[name]
+            server = (f"{r['server_modules']:,} modules, imported in {r['server_import_s']:.1f} s"
+                      if "server_modules" in r else "–")
+            lines.append(f"| {name} | {r['wall_s']:.1f} | {r['per_trial_s']:.2f} | "
+                         f"{r['per_import_torch']:.2f}× | {server} |")
         lines.append("")
     loops = result.get("loop", {})
     if loops:
@@ -454,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads of the loop part (default 1, as the demo's trials)")
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer steps, smaller")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"),
-                        help="folder of trial_cpu[_quick].json and the runs (default runs/bench)")
+                        help="folder of the benchmark's runs (default runs/bench)")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"),
+                        help="folder of trial_cpu.json and trial_cpu.md (default "
+                             "benchmarks/results; with --quick: --out, smoke values are not "
+                             "results)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -467,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from muoneq.suite import code_version
     from muoneq.suite.benchmarks.bench_step import device_name
-    from muoneq.suite.runtime.record import git_commit
 
     torch.set_num_threads(args.threads)
     folder = args.out / ("trial_quick" if args.quick else "trial")
@@ -477,17 +565,24 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "threads": args.threads, "torch": torch.__version__, "quick": args.quick,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": git_commit(), "cpus": os.cpu_count()}
+              "commit": code_version.taken().commit, "cpus": os.cpu_count()}
     if "phases" in parts:
         result["phases"] = part_phases(folder, args.quick)
     if "warm" in parts:
         result["warm"] = part_warm(folder, args.quick)
+    if "study" in parts:
+        result["study"] = part_study(folder, args.quick)
     if "loop" in parts:
         result["loop"] = {w: part_loop(w, folder, args.quick) for w in workloads}
-    path = args.out / f"trial_cpu{'_quick' if args.quick else ''}.json"
+    path = args.out / "trial_cpu_quick.json" if args.quick else args.results / "trial_cpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(tables(result))
-    print(f"\nwritten: {path}")
+    text = tables(result)
+    path.with_suffix(".md").write_text(
+        f"# make bench-trial\n\n{result['date']}, commit {(result['commit'] or '?')[:10]}; "
+        f"{text}\n")
+    print(text)
+    print(f"\nwritten: {path} and {path.with_suffix('.md').name}")
     return 0
 
 

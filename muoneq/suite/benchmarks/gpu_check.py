@@ -51,7 +51,7 @@ part keeps its one-line error and traceback there, a part cut short by a kill st
 from an earlier file of the same name, each with its own date and commit, so a check split over
 two machine sessions ends in one file. The commit recorded is ``$MUONEQ_GIT_COMMIT`` when set,
 else that of the checkout this code lies in, if it is a git checkout of its own
-(:func:`muoneq.suite.runtime.record.git_commit`).
+(:func:`muoneq.suite.code_version.taken`).
 """
 
 from __future__ import annotations

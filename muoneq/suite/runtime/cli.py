@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from muoneq.suite import code_version
 from muoneq.suite.runtime.config import GROUPS, compose, conf_dir
 
 USAGE = """\
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
 
+    code_version.taken()  # the code this run records: before it imports the runtime
     train = load_train(cfg)  # heavy imports only when training
     import torch.distributed as dist
     from lightning.pytorch.utilities import rank_zero_only

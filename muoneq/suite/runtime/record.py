@@ -1,16 +1,17 @@
 """A run folder's record: ``config.yaml`` (what ran, and who ran it) and the checks that keep it
 true when a run is continued.
 
-``config.yaml`` holds the fully resolved config and a ``provenance`` section: the package version,
-git commit, command line, host and library versions of the session that started the run, its
-``fingerprint`` (a hash of every key that can change the result, see
-:data:`muoneq.suite.runtime.config.NON_RESULT_KEYS`), the number of processes (``world_size``), and
-one entry in ``resumed`` per later session (with any non-result keys it changed). It is written when
-a run starts and is never rewritten with settings the run did not use: a session whose config
-differs in a key that can change the result is refused before it touches the folder
-(:func:`check_same_run`). A key the run's ``config.yaml`` lacks (the run is older than the key)
-counts as equal when it is at its schema default now: a key is only ever added with a default that
-keeps the behaviour runs had before it existed.
+``config.yaml`` holds the fully resolved config and a ``provenance`` section: the package
+version, the git commit and dirty state of the code the process imported (with ``forked_from``,
+the warm server it was forked from: :mod:`muoneq.suite.code_version`), command line, host and
+library versions of the session that started the run, its ``fingerprint`` (a hash of every key
+that can change the result, see :data:`muoneq.suite.runtime.config.NON_RESULT_KEYS`), the number
+of processes (``world_size``), and one entry in ``resumed`` per later session (with any non-
+result keys it changed). It is written when a run starts and is never rewritten with settings
+the run did not use: a session whose config differs in a key that can change the result is
+refused before it touches the folder (:func:`check_same_run`). A key the run's ``config.yaml``
+lacks (the run is older than the key) counts as equal when it is at its schema default now: a
+key is only ever added with a default that keeps the behaviour runs had before it existed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import datetime
 import enum
 import hashlib
 import json
-import os
 import platform
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,9 +30,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import muoneq
+from muoneq.suite import code_version
 from muoneq.suite.errors import UserError
 from muoneq.suite.files import atomic_write
-from muoneq.suite.folders import CHECKOUT
 from muoneq.suite.runtime.config import is_result_key
 
 CONFIG_FILE = "config.yaml"
@@ -183,56 +182,21 @@ def check_same_run(run_dir: Path, record: dict, cfg: DictConfig, *, finished: bo
 
 
 # --------------------------------------------------------------------------- writing
-#: The environment variable naming the commit a run records; set, it wins over git (a copy of
-#: the checkout without its ``.git``, e.g. on a lent machine, knows its commit only this way).
-COMMIT_ENV = "MUONEQ_GIT_COMMIT"
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=10, check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
-def _own_git(*args: str) -> str | None:
-    """git's answer for the checkout this code lies in, or None when it lies in none of its
-    own: an installed wheel, a copy without ``.git``, or a copy inside another repository (whose
-    commit is not this code's: git's top level must be the checkout's root)."""
-    top = _git("rev-parse", "--show-toplevel")
-    if top is None or Path(top).resolve() != CHECKOUT.resolve():
-        return None
-    return _git(*args)
-
-
-def git_commit() -> str | None:
-    """The commit of the code that runs: ``$MUONEQ_GIT_COMMIT`` when set, else the HEAD of the
-    checkout it lies in (None: neither)."""
-    return os.environ.get(COMMIT_ENV) or _own_git("rev-parse", "HEAD")
-
-
-def git_dirty() -> bool | None:
-    """Whether the checkout's tracked files differ from its HEAD (None: unknown, e.g. the commit
-    came from ``$MUONEQ_GIT_COMMIT``)."""
-    if os.environ.get(COMMIT_ENV):
-        return None
-    status = _own_git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else bool(status)
-
-
 def session(argv: list[str] | None = None, resolved: dict | None = None) -> dict:
-    """Who runs this session: package version, git commit, command line, host, start time, and
-    what the config's ``auto`` values became on its machine (``resolved``, e.g. the
-    ``ns_dtype`` Newton–Schulz ran in)."""
+    """Who runs this session: package version, the version of the code it imported (its git
+    commit and dirty state, and the warm server it was forked from, if any:
+    :mod:`muoneq.suite.code_version`), command line, host, start time, and what the config's
+    ``auto`` values became on its machine (``resolved``, e.g. the ``ns_dtype`` Newton–Schulz ran
+    in)."""
     import lightning
 
+    code = code_version.taken()
     return {
         "muoneq_version": muoneq.__version__,
-        "git_commit": git_commit(),
-        "git_dirty": git_dirty(),
+        "git_commit": code.commit,
+        "git_dirty": code.dirty,
+        **({"forked_from": {**code.forked_from, "git_commit": code.commit,
+                            "git_dirty": code.dirty}} if code.forked_from else {}),
         "command": " ".join(["muoneq", "train", *argv]) if argv is not None else " ".join(sys.argv),
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

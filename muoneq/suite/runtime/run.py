@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
+from muoneq.suite import code_version
 from muoneq.suite.errors import Diverged, Interrupted
 from muoneq.suite.files import atomic_write, reporting_full_disk
 from muoneq.suite.runtime import checkpoints, record, run_folder
@@ -417,7 +418,7 @@ def _write_metrics(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, s
         **module.final_metrics(),
         "run_dir": str(run_dir),
         "muoneq_version": muoneq.__version__,
-        "git_commit": record.git_commit(),
+        "git_commit": code_version.taken().commit,
     }
     metrics = {k: _number(v) if isinstance(v, float) else v for k, v in metrics.items()}
     if trainer.is_global_zero:

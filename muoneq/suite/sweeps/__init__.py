@@ -16,10 +16,30 @@ Public API::
     from muoneq.suite.sweeps import load_sweep, Driver, DriverOptions
     spec = load_sweep("sweeps/ablation-cifar10.yaml", ["seeds=[0]"])
     summary = Driver(spec, DriverOptions(workers=4)).run()
+
+The names are imported when first used (:pep:`562`): a warm trial's server imports
+:mod:`~muoneq.suite.sweeps.warm` from this package, and with it nothing of the sweep (Optuna,
+SQLAlchemy, OmegaConf), which every trial it forks would inherit.
 """
 
-from muoneq.suite.sweeps.driver import Driver, DriverOptions
-from muoneq.suite.sweeps.ledger import Summary
-from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec, load_sweep
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from muoneq.suite.sweeps.driver import Driver, DriverOptions
+    from muoneq.suite.sweeps.ledger import Summary
+    from muoneq.suite.sweeps.spec import Point, SweepError, SweepSpec, load_sweep
+
+#: each public name, by the module that defines it
+_MODULES = {"Driver": "driver", "DriverOptions": "driver", "Summary": "ledger", "Point": "spec",
+            "SweepError": "spec", "SweepSpec": "spec", "load_sweep": "spec"}
 
 __all__ = ["Driver", "DriverOptions", "Point", "Summary", "SweepError", "SweepSpec", "load_sweep"]
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)

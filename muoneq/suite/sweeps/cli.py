@@ -16,15 +16,14 @@ from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
 from muoneq.suite.sweeps.eta import study_estimate
-from muoneq.suite.sweeps.launch import trial_command
+from muoneq.suite.sweeps.launch import describe_start, trial_command, warm_module
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, published_plan
 from muoneq.suite.sweeps.plan import describe_plan
-from muoneq.suite.sweeps.spec import Point, SweepError, format_value, load_sweep, warm_module
+from muoneq.suite.sweeps.spec import Point, SweepError, format_value, load_sweep
 from muoneq.suite.sweeps.storage import storage_label
 from muoneq.suite.sweeps.study import existing_study
 from muoneq.suite.sweeps.tensorboard_view import command as tensorboard_command
 from muoneq.suite.sweeps.validate import point_check, preflight, search_points
-from muoneq.suite.sweeps.warm import describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +162,7 @@ def _dry_run(spec, options: DriverOptions) -> int:
     argv, _, _ = trial_command(spec, first, spec.seeds[0], first.run_dir(study_dir,
                                                                          spec.seeds[0]))
     print("first command:", shlex.join(argv))
-    print(describe(*warm_module(spec)))
+    print(describe_start(*warm_module(spec)))
     print(f"checked: {composed} training configs compose and type-check as `muoneq train`"
           + {"tpe": " (the search's bounds)", "coordinate": " (every axis value at the start)",
              "grid": " (every value of every axis, once in each config shape)"}[spec.kind]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +32,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import IO
 
+from muoneq.suite import code_version
 from muoneq.suite.files import atomic_write
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE
-from muoneq.suite.sweeps.spec import Point, SweepSpec
+from muoneq.suite.sweeps import warm
+from muoneq.suite.sweeps.spec import DEFAULT_COMMAND, Point, SweepSpec, module_of
+from muoneq.suite.sweeps.warm import THREADS_ENV, Interrupted, Unavailable, Unknown
+
+log = logging.getLogger("muoneq.suite.sweeps")
 
 #: Inductor's cache of compiled kernels (Triton's included), shared by a study's trials
 COMPILE_CACHE_ENV, COMPILE_CACHE = "TORCHINDUCTOR_CACHE_DIR", "compile_cache"
@@ -54,8 +61,9 @@ class ResultMismatch(RuntimeError):
 
 @dataclass
 class Outcome:
-    """How a run ended: ``complete``, ``failed``, ``pruned``, ``interrupted``, ``timeout``, or
-    ``busy`` (another live process holds the folder)."""
+    """How a run ended: ``complete``, ``failed``, ``pruned``, ``interrupted``, ``timeout``,
+    ``busy`` (another live process holds the folder) or ``unknown`` (it may have started:
+    :func:`run_process`)."""
 
     status: str
     metrics: dict | None = None
@@ -74,10 +82,6 @@ def build_command(
         else:
             argv.append(word.format(**fields))
     return argv
-
-
-#: the environment variable of a trial's CPU threads (torch's intra-op pool)
-THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def cores() -> int:
@@ -247,7 +251,7 @@ def exit_words(proc) -> str:
 
 
 #: what starts a trial's process: ``start(argv, env, out, lock_fd)`` (:func:`spawn`, or
-#: :meth:`muoneq.suite.sweeps.warm.Launcher.start`), a process with ``pid``, ``returncode``,
+#: :meth:`Launcher.start`), a process with ``pid``, ``returncode``,
 #: ``wait(timeout)``, ``killpg(signum)`` and ``how`` it started
 Start = Callable[[Sequence[str], Mapping[str, str], IO[bytes], int], object]
 
@@ -267,9 +271,10 @@ def run_process(
 
     ``on_tick`` is called about every ``tick_s`` seconds while the process runs (heartbeats,
     pruning); returning ``"pruned"`` or ``"interrupted"`` stops the process group.
+    A process whose start is unknown (:class:`~muoneq.suite.sweeps.warm.Unknown`) gives the
+    status ``unknown``: the caller waits for whoever holds the folder's lock, as for an adopted
+    run.
     """
-    from muoneq.suite.sweeps.warm import Interrupted
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_trial_fingerprint(run_dir, fingerprint)
@@ -290,6 +295,8 @@ def run_process(
                 proc = start(argv, env, log, fd)
             except Interrupted as err:
                 return Outcome("interrupted", message=str(err))
+            except Unknown as err:
+                return Outcome("unknown", message=str(err))
             record.update(pid=proc.pid, process=proc.how)
             try:
                 atomic_write(run_dir / RECORD_NAME, json.dumps(record, indent=1))
@@ -394,3 +401,194 @@ def stop_holder(run_dir: Path, grace_s: float = KILL_GRACE_S, poll_s: float = 0.
         if not is_active(run_dir):
             break
     return pid
+
+
+# ----------------------------------------------------------------------------- warm or spawned
+def visible_gpus() -> int:
+    """The CUDA devices this machine shows (NVML's count: CUDA is not initialized)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def warm_module(spec: SweepSpec) -> tuple[str | None, str]:
+    """The module this sweep's trials run warm (:mod:`muoneq.suite.sweeps.warm`), or None
+    (they are spawned), and why: ``launch.warm=auto`` forks the default command's trials on a
+    machine without a GPU, where a trial lasts seconds to minutes and its imports are a large
+    share of it; where a GPU is visible trials last minutes to hours, the seconds saved are
+    noise, and they are spawned (docs/sweeps.md)."""
+    launch = spec.launch
+    if launch.warm == "false":
+        return None, "launch.warm=false"
+    if launch.warm == "auto" and launch.command != DEFAULT_COMMAND:
+        return None, ("launch.warm=auto forks only trials of the default launch.command; "
+                      "launch.warm=true forks a `{python} -m MODULE …` command too")
+    if launch.warm == "auto" and (gpus := visible_gpus()):
+        return None, (f"launch.warm=auto spawns the trials of a machine with a GPU ({gpus} "
+                      "visible), which last long enough that their imports hardly count; "
+                      "launch.warm=true forks them")
+    unsupported = warm.supported()
+    if unsupported is not None:
+        return None, f"launch.warm={launch.warm}, but {unsupported}"
+    return module_of(launch.command), f"launch.warm={launch.warm}"
+
+
+def describe_start(module: str | None, why: str) -> str:
+    """How trials start (:func:`warm_module`'s answer), in words."""
+    if module is None:
+        return f"each trial is spawned as its own command ({why})"
+    return f"trials start warm: one server imports the runtime once and forks each trial ({why})"
+
+
+class Launcher:
+    """How one driver starts its trials: forked by a warm server (:class:`warm.Server
+    <muoneq.suite.sweeps.warm.Server>`, :func:`warm_module`), or spawned as their command; the
+    choice and every fallback are logged, and each trial's log and ``trial.json`` say how it
+    started. A trial is forked only by a server that imported the code the checkout holds at the
+    fork (:mod:`muoneq.suite.code_version`): when it changed, a new server is started (the old
+    one's trials run on), and a trial is spawned when the code changed again meanwhile."""
+
+    def __init__(self, spec: SweepSpec, study_dir: Path, stop: threading.Event,
+                 env_defaults: Mapping[str, str]) -> None:
+        self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
+        self.env_defaults = dict(env_defaults)
+        self.module, self.why = warm_module(spec)
+        self.server: warm.Server | None = None
+        #: servers replaced after the checkout changed, closed once their trials ended
+        self.retired: list[warm.Server] = []
+        self.failed = 0  #: servers that ended on their own
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        """One line for the driver's log: how trials start, and why."""
+        return describe_start(self.module, self.why)
+
+    def open(self) -> None:
+        """Start the server (its imports run while the driver plans), when trials run warm."""
+        log.info("%s", self.describe())
+        if self.module is not None:
+            with self._lock:
+                self._new_server()
+
+    def close(self) -> None:
+        with self._lock:
+            for server in [self.server, *self.retired]:
+                if server is not None:
+                    server.close()
+            self.server, self.retired = None, []
+
+    def _new_server(self) -> warm.Server:
+        env = trial_env(self.spec, (), self.env_defaults, self.study_dir)
+        env.pop(self.spec.launch.device_env, None)  # each trial's own, read after the fork
+        self.server = warm.Server(self.module, env, self.study_dir / warm.SERVER_LOG)
+        self.server.start()
+        return self.server
+
+    def _ready(self) -> warm.Server | None:
+        """The server to fork with, ready (a new one if the last ended or was replaced), or
+        None: spawn."""
+        with self._lock:
+            for old in [s for s in self.retired if not s.running()]:
+                old.close()
+                self.retired.remove(old)
+            server = self.server
+            if self.module is None:
+                return None
+            if server is None or server.dead.is_set():
+                if server is not None:
+                    self.failed += 1
+                    if self.failed >= warm.MAX_FAILED_SERVERS:
+                        self._give_up(f"{server.failure}, and {self.failed} servers ended so far")
+                        return None
+                    log.warning("%s; its trials that still run go on and are waited for; "
+                                "starting a new warm server", server.failure)
+                    server.close()
+                server = self._new_server()
+        try:
+            server.wait_ready(self.stop)
+        except Unavailable as err:
+            with self._lock:
+                if server.ready.is_set() or self.module is None:
+                    return None  # it died after its start: the next trial starts a new one
+                self._give_up(str(err))
+            return None
+        if not server.announced:
+            server.announced = True
+            log.info("warm server ready (pid %s): %s; it runs %s", server.pid, server.imported,
+                     server.version.describe())
+        return server
+
+    def _server(self) -> tuple[warm.Server | None, str | None]:
+        """The ready server at the checkout's code now, or None and why the trial is spawned
+        (None: trials are not warm)."""
+        server = self._ready()
+        changed = None if server is None else self._changed(server)
+        if changed is None:
+            return server, None
+        with self._lock:
+            if self.server is server:
+                log.warning("%s: a new warm server imports it for the next trials (the trials "
+                            "the old one forked run on)", changed)
+                self.retired.append(server)
+                self.server = None
+        server = self._ready()
+        again = None if server is None else self._changed(server)
+        if again is None:
+            return server, None
+        return None, f"{again}: the code changed again while a new warm server imported"
+
+    @staticmethod
+    def _changed(server: warm.Server) -> str | None:
+        """How the checkout's code differs from what ``server`` imported, or None."""
+        now = code_version.current(Path(server.version.checkout))
+        if now.same_code(server.version):
+            return None
+        return (f"the checkout is at {now.describe()}, and the warm server (pid {server.pid}) "
+                f"imported {server.version.describe()}")
+
+    def _give_up(self, why: str) -> None:
+        """Spawn every later trial (called under the lock)."""
+        self.module = None
+        self.why = f"warm trials stopped: {why}; see {self.study_dir / warm.SERVER_LOG}"
+        log.warning("%s", self.why)
+
+    def _difference(self, server: warm.Server, env: Mapping[str, str]) -> str | None:
+        """Why a trial with ``env`` cannot be forked by ``server``: a process reads its
+        environment when it starts (and torch at its import), so only the devices may differ."""
+        keys = {k for k in env.keys() | server.env.keys() if env.get(k) != server.env.get(k)}
+        keys.discard(self.spec.launch.device_env)
+        if keys:
+            return (f"its environment differs from the warm server's in {', '.join(sorted(keys))}, "
+                    "which a process reads when it starts")
+        if os.getcwd() != server.cwd:
+            return f"the driver's working folder is not the warm server's ({server.cwd})"
+        return None
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], out: IO[bytes],
+              lock_fd: int):
+        """Start the trial ``argv`` with its output to ``out`` (its open ``trial.log``) and
+        holding ``lock_fd``: forked warm, else spawned (the reason in its log when it was meant
+        to be warm); :class:`~muoneq.suite.sweeps.warm.Interrupted` when the sweep stopped
+        first, :class:`~muoneq.suite.sweeps.warm.Unknown` when its server ended after it was
+        asked to fork it (it is never started again)."""
+        server, why = self._server()
+        if server is not None:
+            why = self._difference(server, env)
+            if why is None:
+                note = f"--- forked by the warm server (pid {server.pid})\n"
+                out.write(note.encode())
+                out.flush()
+                try:
+                    return server.fork(argv, self.module, env, out.fileno(), lock_fd)
+                except Unknown as err:
+                    out.write(f"--- {err}: it is not started again; its lock and metrics.json "
+                              "decide\n".encode())
+                    out.flush()
+                    raise
+                except Unavailable as err:
+                    why = f"the warm server could not fork it: {err}"
+        if why is not None:
+            log.warning("trial %s is spawned: %s", shlex.join(argv[3:5]), why)
+            out.write(f"--- spawned: {why}\n".encode())
+            out.flush()
+        return spawn(argv, env, out, lock_fd)

@@ -25,7 +25,6 @@ from muoneq.suite.sweeps.ledger import Ledger
 from muoneq.suite.sweeps.scheduler import Adopt, Job, Start
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
-from muoneq.suite.sweeps.warm import Launcher
 
 log = logging.getLogger("muoneq.suite.sweeps")
 
@@ -39,7 +38,7 @@ class Runner:
         self.study_dir, self.slots, self.stop, self.tick_s = study_dir, slots, stop, tick_s
         self.env = dict(env or {})  #: defaults of every trial's environment (its threads)
         #: how trials start: forked warm or spawned (launch.warm)
-        self.launcher = Launcher(self.spec, study_dir, stop, self.env)
+        self.launcher = launch.Launcher(self.spec, study_dir, stop, self.env)
 
     def execute(self, job: Job, slot: int) -> None:
         try:
@@ -104,7 +103,9 @@ class Runner:
                                          on_tick=tick, tick_s=self.tick_s,
                                          timeout_s=self.spec.launch.timeout_s,
                                          start=self.launcher.start)
-            if outcome.status == "busy":  # a live process of a lost trial owns the folder
+            # a live process of a lost trial owns the folder, or may (its warm server ended
+            # after it was asked to fork it): whoever holds the lock is waited for
+            if outcome.status in ("busy", "unknown"):
                 outcome = launch.wait_for_release(run_dir, on_tick=tick, tick_s=self.tick_s)
             if outcome.status == "complete":
                 tick.report()  # the whole curve, for the pruner's later comparisons

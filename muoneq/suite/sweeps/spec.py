@@ -44,7 +44,8 @@ PLACEHOLDERS = (
     "python", "experiment", "overrides", "seed", "run_dir", "study", "trial", "nproc",
     "devices", "worker",
 )
-#: ``launch.warm``: fork trials from a server that imported once (:mod:`muoneq.suite.sweeps.warm`)
+#: ``launch.warm``: fork trials from a server that imported once
+#: (:func:`muoneq.suite.sweeps.launch.warm_module`)
 WARM_CHOICES = ("auto", "true", "false")
 PRUNERS = ("median", "percentile", "successive_halving", "hyperband")
 PARAM_TYPES = ("float", "int", "categorical")
@@ -452,23 +453,6 @@ def module_of(command: str) -> str | None:
     if len(words) < 3 or words[:2] != ["{python}", "-m"] or "{" in words[2]:
         return None
     return words[2]
-
-
-def warm_module(spec: SweepSpec) -> tuple[str | None, str]:
-    """The module this sweep's trials run warm (:mod:`muoneq.suite.sweeps.warm`), or None
-    (they are spawned), and why."""
-    from muoneq.suite.sweeps.warm import supported
-
-    launch = spec.launch
-    if launch.warm == "false":
-        return None, "launch.warm=false"
-    if launch.warm == "auto" and launch.command != DEFAULT_COMMAND:
-        return None, ("launch.warm=auto forks only trials of the default launch.command; "
-                      "launch.warm=true forks a `{python} -m MODULE …` command too")
-    unsupported = supported()
-    if unsupported is not None:
-        return None, f"launch.warm={launch.warm}, but {unsupported}"
-    return module_of(launch.command), f"launch.warm={launch.warm}"
 
 
 def _check_search(search: Search, source: str) -> None:

@@ -1,17 +1,21 @@
 """Warm trials: a server that imports the runtime once and forks one process per trial.
 
-A trial of the default launch command (``{python} -m muoneq train …``) used to pay seconds of
-imports (torch, Lightning, the tasks) before its first step, and about a second of interpreter
-exit after it: on the demo's 100-step trials, a third of their time (docs/performance.md). With
-``launch.warm`` (:func:`warm_choice`), a driver starts one *server*, a process of its own that
-imports them once; for each trial it forks a fresh child that runs the trial's module as
-``python -m`` would (:func:`runpy.run_module`, the trial's argv as ``sys.argv``) with the trial's
-environment, working folder, output (its ``trial.log``, as stdout and stderr) and lock
-(``.trial.lock``), the two files sent over a Unix socket (``SCM_RIGHTS``).
+A trial of the default launch command (``{python} -m muoneq train …``) pays seconds of imports
+(torch, Lightning, the tasks) before its first step, and about a second of interpreter exit
+after it. With ``launch.warm`` (:func:`muoneq.suite.sweeps.launch.warm_module`), a driver starts
+one *server*, a process of its own that imports them once; for each trial it forks a child that
+runs the trial's module as ``python -m`` would (:func:`runpy.run_module`, the trial's argv as
+``sys.argv``) with the trial's environment, working folder, output (its ``trial.log``, as stdout
+and stderr) and lock (``.trial.lock``), the two files sent over a Unix socket (``SCM_RIGHTS``).
+This module holds the server, its children and the driver's side of the socket
+(:class:`Server`); when a trial is forked and when it is spawned is
+:class:`muoneq.suite.sweeps.launch.Launcher`'s choice.
 
 multiprocessing's ``forkserver`` (with ``set_forkserver_preload``) forks the same way but runs
 functions of its caller, not programs with their own argv, environment, output and lock, hence
-the few lines here. What a spawned trial has, a forked one keeps:
+the few lines here. The server imports this module, which imports only the standard library and
+:mod:`muoneq` (the library: torch), then what :func:`preload` names: nothing of the sweep, which
+a trial would inherit. What a spawned trial has, a forked one keeps:
 
 * **a process of its own**: a crash or a kill ends it alone; it leads a session of its own
   (``setsid``), so the driver signals its process group as before (through the server, which
@@ -19,26 +23,37 @@ the few lines here. What a spawned trial has, a forked one keeps:
 * **the lock**: the driver's own open file description of ``.trial.lock``, so the kernel holds
   the lock while the trial lives, whatever dies first (driver, server), and a later driver
   adopts the live trial as before (:func:`muoneq.suite.sweeps.launch.is_active`);
+* **the code it records**: the server takes the checkout's commit and dirty state before it
+  imports (:mod:`muoneq.suite.code_version`) and each child records them with the server it was
+  forked from; the driver forks only while the checkout is still at that version;
 * **its start state**: the environment is the trial's (``os.environ``: children it spawns and
-  every later read see it), and a trial whose environment differs from the server's in more
-  than its devices is spawned (:meth:`Launcher.start`); torch's CPU threads, which torch sizes
-  from ``OMP_NUM_THREADS`` when it is imported, are set (``torch.set_num_threads``) to the
-  trial's value, or to what torch chooses without one (asked once of a new process); the random
-  state is a new process's (Python's and NumPy's reseeded, torch's default generator at its
-  initial seed);
+  every later read see it); torch's CPU threads and the BLAS library's, which each sizes when it
+  is loaded (from ``OMP_NUM_THREADS``: 1 in the server), are set to the trial's value, or to what
+  a new process chooses without one (asked once of a new process); the random states are a new
+  process's (torch's default generator, Python's and NumPy's reseeded from the OS); the module
+  the trial runs is run anew as ``__main__``, a package it lies in is the server's (imported
+  once, as ``-m`` imports it once);
 * **its end**: as the interpreter ends (non-daemon threads joined, ``atexit`` handlers run,
-  output flushed), without freeing every module one by one (``os._exit``: a second per trial).
+  every open file flushed), without freeing every module one by one (``os._exit``: a second per
+  trial).
+
+What differs: the hash seed of ``str`` and ``bytes`` (``PYTHONHASHSEED``) is the server's, shared
+by the trials it forks (it is fixed when an interpreter starts); ``sys.modules`` holds what the
+server imported.
 
 If the server dies, its running trials live on, each still holding its lock: the driver watches
 them through a pidfd (sent by the server at the fork; ``os.pidfd_open``, Linux ≥ 5.3), their
-exit status is unknown and their ``metrics.json`` decides, as for an adopted run; the next trial
-starts a new server (up to :data:`MAX_SERVERS`, then trials are spawned).
+exit status is unknown and their ``metrics.json`` decides, as for an adopted run. A server that
+stops answering (stopped by SIGSTOP or a debugger, hung) for :data:`STALL_S` is killed and dealt
+with the same way. A trial the server was asked to fork but never answered for is never started
+again by the driver: whether it runs is unknown, and its lock and ``metrics.json`` decide, as for
+an adopted run (:class:`Unknown`).
 
 Threads: a process forked while another of its threads runs gets a copy of the calling thread
 only, and whatever the others held stays held in it (an OpenMP pool forked after it worked
 hangs the child's next parallel region). torch's import starts a second thread when it may use
 more than one CPU thread, so the server imports with ``OMP_NUM_THREADS=1``, checks that it runs
-one thread before every fork, and each child sizes its own pool.
+one thread before every fork, and each child sizes its own pools.
 
 CUDA: the server must never initialize CUDA (nor call ``torch.cuda.is_available()``, which
 initializes its driver): a CUDA driver does not survive ``fork`` (torch marks the children, and
@@ -53,14 +68,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import datetime
+import errno
+import gc
 import importlib
+import importlib.util
+import io
 import json
 import logging
 import os
 import runpy
 import select
 import selectors
-import shlex
 import signal
 import socket
 import subprocess
@@ -70,34 +90,48 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-if TYPE_CHECKING:  # the server imports nothing of the sweep's own (a trial would inherit it)
-    from muoneq.suite.sweeps.spec import SweepSpec
+from muoneq.suite import code_version
 
 log = logging.getLogger("muoneq.suite.sweeps")
 
 #: the module whose command the server preloads the runtime for (``{python} -m muoneq …``)
 RUNTIME_MODULE = "muoneq"
-#: servers one driver starts at most (a server that died is replaced; then trials are spawned)
-MAX_SERVERS = 3
+#: servers that ended on their own one driver replaces; then trials are spawned
+MAX_FAILED_SERVERS = 3
 #: seconds a server may take to import before trials are spawned instead
 READY_TIMEOUT_S = 600.0
+#: seconds a server may leave the driver without an answer (stopped, hung) before it is killed
+STALL_S = 30.0
+#: how often the driver asks a ready server whether it answers, in seconds
+PING_S = 5.0
 #: the server's output (its import warnings, why it stopped), appended, under the study folder
 SERVER_LOG = "warm_server.log"
 #: the largest message on the socket (a trial's argv and environment)
 MAX_MESSAGE = 1 << 20
-#: a trial's CPU threads: torch reads it when imported (the server imports with 1)
+#: a trial's CPU threads: torch and the BLAS library read it when loaded (the server imports
+#: with 1)
 THREADS_ENV = "OMP_NUM_THREADS"
-#: what torch chooses without ``OMP_NUM_THREADS``, asked of a new process
-THREADS_PROBE = "import torch; print(torch.get_num_threads())"
-#: the server's program (``-c``: ``-m`` would run a second copy of this module, which the
-#: package imports)
+#: variables the BLAS library reads before ``OMP_NUM_THREADS`` (the server's are the trial's)
+BLAS_THREADS_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
+                    "BLIS_NUM_THREADS")
+#: what torch and the BLAS library choose without ``OMP_NUM_THREADS``, asked of a new process
+THREADS_PROBE = ("import json, numpy, threadpoolctl, torch; "
+                 "blas = [i['num_threads'] for i in threadpoolctl.threadpool_info() "
+                 "if i['user_api'] == 'blas']; "
+                 "print(json.dumps([torch.get_num_threads(), max(blas, default=None)]))")
+#: the server's program (``-c``: ``-m`` would run a second copy of this module)
 SERVER_MAIN = "import sys; from muoneq.suite.sweeps.warm import main; sys.exit(main(sys.argv[1:]))"
 
 
 class Unavailable(RuntimeError):
-    """Why trials cannot be forked warm (the message is logged; they are spawned)."""
+    """Why a trial cannot be forked warm (the message is logged; it is spawned)."""
+
+
+class Unknown(RuntimeError):
+    """The server was asked to fork a trial and ended before it said whether it did: the trial
+    may run. It must not be started again: its lock and ``metrics.json`` decide."""
 
 
 class Interrupted(RuntimeError):
@@ -105,21 +139,42 @@ class Interrupted(RuntimeError):
 
 
 def supported() -> str | None:
-    """Why this platform cannot run warm trials, or None when it can."""
+    """Why this platform cannot run warm trials, or None when it can (the kernel is asked for a
+    pidfd of this process: ``os.pidfd_open`` exists from Python 3.9 on, the call from Linux
+    5.3 on, and a sandbox may refuse it)."""
     missing = [name for name, owner in (("fork", os), ("pidfd_open", os), ("setsid", os),
                                         ("send_fds", socket)) if not hasattr(owner, name)]
     if missing:
         return f"this platform lacks {', '.join(missing)} (warm trials need Linux ≥ 5.3)"
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError as err:
+        return (f"this kernel refuses a pidfd (os.pidfd_open: {err.strerror or err}; warm trials "
+                "need Linux ≥ 5.3)")
     return None
 
 
 # ----------------------------------------------------------------------------- the socket
+class TooLarge(Unavailable):
+    """A request larger than one message on the socket carries."""
+
+
 def _send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
+    """Send ``message`` as one packet; :class:`TooLarge` when it does not fit in one (nothing
+    was sent)."""
     data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
+    try:
+        if len(data) > MAX_MESSAGE:  # what the other end reads at once
+            raise OSError(errno.EMSGSIZE, os.strerror(errno.EMSGSIZE))
+        if fds:
+            socket.send_fds(sock, [data], list(fds))
+        else:
+            sock.sendall(data)
+    except OSError as err:
+        if err.errno != errno.EMSGSIZE:  # also the socket's own limit, below MAX_MESSAGE
+            raise
+        raise TooLarge(f"its request ({len(data):,} bytes: its arguments and environment) is "
+                       "larger than one message to the warm server carries") from None
 
 
 def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
@@ -131,8 +186,9 @@ def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
 # ----------------------------------------------------------------------------- the server
 def preload(module: str) -> None:
     """Import what a trial of ``python -m module`` imports before its work: for ``muoneq``
-    the runtime (Lightning without torchmetrics' optional packages when every installed task
-    allows it: :mod:`muoneq.suite.runtime.lean_imports`) and the tasks' packages; else the
+    the runtime as ``muoneq train`` imports it (Lightning without torchmetrics' optional
+    packages when every installed task allows it: :mod:`muoneq.suite.runtime.lean_imports`, so
+    that a forked trial has the metrics a spawned one has) and the tasks' packages; else the
     module itself (its top level: a ``-m`` module keeps its program under
     ``if __name__ == "__main__":``) or, for a package, the package (not its ``__main__``)."""
     if module != RUNTIME_MODULE:
@@ -175,27 +231,33 @@ def _forkable() -> None:
                           "(torch.cuda.is_available()), so forked trials could not use a GPU")
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 def serve(sock: socket.socket) -> int:
-    """The server's loop (module docstring): preload, say ready, then fork trials, reap them
-    and relay signals until the driver closes its end (the trials then run on)."""
+    """The server's loop (module docstring): take the code's version, preload, say ready, then
+    fork trials, reap them, relay signals and answer pings until the driver closes its end
+    (the trials then run on)."""
     hello, _ = _receive(sock)
     if hello is None:
         return 0
-    threads, probe = _thread_count(hello["threads"]), None
-    if threads is None:  # what a trial's torch chooses, asked while the server imports
-        env = {k: v for k, v in os.environ.items() if k != THREADS_ENV}
-        probe = subprocess.Popen([sys.executable, "-c", THREADS_PROBE], env=env,
-                                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    version, started = code_version.taken(), _now()  # before the imports: what trials run
+    env = {k: v for k, v in os.environ.items() if k != THREADS_ENV}
+    probe = subprocess.Popen([sys.executable, "-c", THREADS_PROBE], env=env,
+                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         preload(hello["preload"])
-        if probe is not None:
-            threads = int(probe.communicate()[0].split()[-1])
+        chosen, blas = json.loads(probe.communicate()[0].splitlines()[-1])
         _forkable()
     except BaseException as err:
         traceback.print_exc()
         _send(sock, {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"})
         return 1
-    _send(sock, {"ready": os.getpid(), "modules": len(sys.modules), "threads": threads})
+    _send(sock, {"ready": os.getpid(), "modules": len(sys.modules),
+                 "version": dataclasses.asdict(version)})
+    defaults = {"pid": os.getpid(), "started": started, "default_threads": chosen,
+                "default_blas_threads": blas}
     children: dict[int, tuple[int, int]] = {}  # pidfd → (trial id, pid), until reaped
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_READ)
@@ -214,10 +276,12 @@ def serve(sock: socket.socket) -> int:
                     message, fds = None, []
                 if message is None:  # the driver is gone: its trials live on
                     return 0
-                if message["op"] == "signal":
+                if message["op"] == "ping":
+                    _reply(sock, {"pong": True})
+                elif message["op"] == "signal":
                     _signal(children, message)
                 else:
-                    _fork(sock, selector, children, {**message, "threads": threads}, fds)
+                    _fork(sock, selector, children, {**message, "server": defaults}, fds)
 
 
 def _reply(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
@@ -235,7 +299,8 @@ def _signal(children: dict[int, tuple[int, int]], message: dict) -> None:
 
 def _fork(sock: socket.socket, selector: selectors.BaseSelector,
           children: dict[int, tuple[int, int]], message: dict, fds: list[int]) -> None:
-    """Fork the trial ``message`` describes, with ``fds`` = (its log, its lock)."""
+    """Fork the trial ``message`` describes, with ``fds`` = (its log, its lock); a child the
+    server cannot watch (no pidfd) is killed and reaped before the driver is told."""
     try:
         _forkable_now()
         sys.stdout.flush()
@@ -252,7 +317,16 @@ def _fork(sock: socket.socket, selector: selectors.BaseSelector,
         _child(message, fds, server_fds)
     for fd in fds:
         os.close(fd)
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as err:  # unwatched, its end could not be told: it must not run
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        _reply(sock, {"id": message["id"], "error": f"the server could not watch the process "
+                                                    f"it forked (os.pidfd_open: {err}), which "
+                                                    "it killed"})
+        return
     children[pidfd] = (message["id"], pid)
     selector.register(pidfd, selectors.EVENT_READ)
     _reply(sock, {"id": message["id"], "pid": pid}, [pidfd])
@@ -282,7 +356,9 @@ def _child(message: dict, fds: list[int], server_fds: list[int]) -> NoReturn:
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
-        _fresh_state(message["env"], message["threads"])
+        server = message["server"]
+        code_version.mark_forked(server["pid"], server["started"])
+        _fresh_state(message["env"], server)
         code = _run_module(message["module"], message["args"])
     except BaseException:  # noqa: BLE001 (the child must end here, never in the server's loop)
         with contextlib.suppress(BaseException):
@@ -295,24 +371,34 @@ def _thread_count(value: str | None) -> int | None:
     return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
-def _fresh_state(env: Mapping[str, str], default_threads: int) -> None:
-    """What a new process would start with: torch's CPU threads (``OMP_NUM_THREADS``, which
-    torch read at its import in the server, where it was 1; else torch's own choice), new
-    random states."""
+def _fresh_state(env: Mapping[str, str], server: Mapping) -> None:
+    """What a new process would start with: torch's CPU threads and the BLAS library's
+    (``OMP_NUM_THREADS``, read when each was loaded in the server, where it was 1; else what a
+    new process chooses), new random states."""
+    threads = _thread_count(env.get(THREADS_ENV))
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(_thread_count(env.get(THREADS_ENV)) or default_threads)
-        torch.manual_seed(torch.initial_seed())  # the default generator as a new process has it
+        torch.set_num_threads(threads or server["default_threads"])
+        torch.default_generator.seed()  # from the OS's entropy, as at torch's import
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()  # from the OS's entropy, as at numpy's import
+        blas = threads or server["default_blas_threads"]
+        if blas and not any(name in env for name in BLAS_THREADS_ENV):
+            import threadpoolctl
+
+            threadpoolctl.threadpool_limits(blas, user_api="blas")
     # Python's random module reseeds itself in a forked child (os.register_at_fork)
 
 
 def _run_module(module: str, args: list[str]) -> int:
-    """``python -m module *args`` in this process: its exit status."""
+    """``python -m module *args`` in this process: its exit status. The module run as
+    ``__main__`` (a package's ``__main__``) runs anew; the packages it lies in are the
+    server's."""
     sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as -m does
-    sys.modules.pop(module, None)  # preloaded: -m runs it as __main__ only, its imports kept
+    spec = importlib.util.find_spec(module)
+    main = f"{module}.__main__" if spec and spec.submodule_search_locations is not None else module
+    sys.modules.pop(main, None)  # -m runs it as __main__ only
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as done:
@@ -345,9 +431,24 @@ def _flush() -> None:
             stream.flush()
 
 
+#: the files whose writes wait in a buffer (their C types: ``isinstance`` against the ABC
+#: ``io.IOBase`` takes ten times longer over a trial's objects)
+BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair)
+
+
+def _flush_files() -> None:
+    """Flush every open buffered file, text wrappers before the buffers under them, as the
+    interpreter does when it frees them at its end: a module may hold a file it never closed."""
+    files = [f for f in gc.get_objects() if isinstance(f, BUFFERED)]
+    for file in sorted(files, key=lambda f: not isinstance(f, io.TextIOWrapper)):
+        with contextlib.suppress(Exception):
+            if not file.closed:
+                file.flush()
+
+
 def _finish(code: int) -> NoReturn:
-    """End as the interpreter ends (non-daemon threads, ``atexit``, output), without freeing
-    every module one by one."""
+    """End as the interpreter ends (non-daemon threads, ``atexit``, open files flushed),
+    without freeing every module one by one."""
     try:
         for thread in threading.enumerate():
             if thread is not threading.main_thread() and not thread.daemon:
@@ -355,6 +456,7 @@ def _finish(code: int) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         _flush()
+        _flush_files()
         os._exit(code)
 
 
@@ -410,9 +512,18 @@ def _ended(pidfd: int, timeout: float = 0.0) -> bool:
     return bool(select.select([pidfd], [], [], timeout)[0])
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP) or held by a debugger."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (OSError, IndexError):
+        return False
+
+
 class Server:
     """One warm server, from the driver's side: started with :meth:`start`, asked to fork by
-    :meth:`fork`; a thread reads its replies."""
+    :meth:`fork`; a thread reads its replies, another asks every :data:`PING_S` whether it
+    answers and kills it after :data:`STALL_S` without an answer."""
 
     def __init__(self, preload_module: str, env: Mapping[str, str], log_path: Path) -> None:
         self.preload, self.env, self.log_path = preload_module, dict(env), Path(log_path)
@@ -422,14 +533,27 @@ class Server:
         self.ready = threading.Event()
         self.failure: str | None = None  #: why it is not (or no longer) usable
         self.dead = threading.Event()
-        self.imported = ""  #: what its imports took (its ready message)
+        self.modules = 0  #: the modules it imported (its ready message)
+        self.import_s = 0.0  #: seconds from its start to its ready message
+        #: the version of the code it imported (taken before its imports)
+        self.version: code_version.CodeVersion | None = None
         self.announced = False  #: its readiness was logged
+        self._heard = time.monotonic()  #: when it last said something
         self._closing = False
         self._trials: dict[int, Forked] = {}
         self._numbers = iter(range(1, 1 << 62))
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._process: subprocess.Popen | None = None
+
+    @property
+    def imported(self) -> str:
+        return f"{self.modules} modules imported, {self.import_s:.1f} s after its start"
+
+    def running(self) -> int:
+        """How many of its trials have not ended."""
+        with self._lock:
+            return len(self._trials)
 
     def start(self) -> None:
         """Start the server (its imports go on in the background: :meth:`wait_ready`)."""
@@ -449,25 +573,35 @@ class Server:
         self.pid = self._process.pid
         self._sock = ours
         with contextlib.suppress(OSError):  # it ended at once: its reader finds out why
-            _send(ours, {"preload": self.preload, "threads": self.env.get(THREADS_ENV)})
+            _send(ours, {"preload": self.preload})
         threading.Thread(target=self._read, name="warm-server-reader", daemon=True).start()
+        threading.Thread(target=self._watch, name="warm-server-watch", daemon=True).start()
 
     def wait_ready(self, stop: threading.Event, timeout: float = READY_TIMEOUT_S) -> None:
-        """Wait until the server has imported; :class:`Unavailable` when it cannot serve,
+        """Wait until the server has imported; :class:`Unavailable` when it cannot serve (it
+        ended, took longer than ``timeout``, or was stopped for :data:`STALL_S`),
         :class:`Interrupted` when ``stop`` is set first."""
         deadline = time.monotonic() + timeout
+        stopped_since = None
         while not self.ready.wait(0.2):
             if stop.is_set():
                 raise Interrupted("the sweep was interrupted before the trial started")
             if self.dead.is_set():
                 raise Unavailable(self.failure or "the warm server ended")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            stopped_since = (stopped_since or now) if _stopped(self.pid) else None
+            if stopped_since is not None and now - stopped_since > STALL_S:
+                self.failure = (f"the warm server (pid {self.pid}) was stopped (SIGSTOP, or a "
+                                f"debugger) for {STALL_S:.0f} s while it imported")
+                self.close()
+                raise Unavailable(self.failure)
+            if now > deadline:
                 self.close()
                 raise Unavailable(f"the warm server did not finish its imports in "
                                   f"{timeout:.0f} s")
 
     def send(self, message: dict, fds: Sequence[int] = ()) -> bool:
-        """Send ``message``; False when the server is gone."""
+        """Send ``message``; False when the server is gone (:class:`TooLarge`: never sent)."""
         if self.dead.is_set() or self._sock is None:
             return False
         try:
@@ -479,22 +613,30 @@ class Server:
 
     def fork(self, argv: Sequence[str], module: str, env: Mapping[str, str], log_fd: int,
              lock_fd: int) -> Forked:
-        """Fork the trial ``argv`` (run as ``python -m module argv[3:]``); :class:`Unavailable`
-        when the server cannot (the caller spawns it)."""
+        """Fork the trial ``argv`` (run as ``python -m module argv[3:]``). :class:`Unavailable`
+        when the server did not fork it (the caller may spawn it); :class:`Unknown` when the
+        server ended after it was asked, before it said (the trial must not be started again:
+        module docstring)."""
         with self._lock:
             trial = Forked(self, next(self._numbers), argv)
             self._trials[trial.number] = trial
         request = {"op": "run", "id": trial.number, "module": module, "args": list(argv[3:]),
                    "env": dict(env), "cwd": os.getcwd()}
-        if not self.send(request, [log_fd, lock_fd]):
+        try:
+            sent = self.send(request, [log_fd, lock_fd])
+        except TooLarge:
+            self._forget(trial)
+            raise
+        if not sent:
             self._forget(trial)
             raise Unavailable(self.failure or "the warm server ended")
-        while not trial.forked.wait(0.2):
-            if self.dead.is_set():  # it may have forked the trial: the lock will say
-                raise Unavailable(self.failure or "the warm server ended")
+        trial.forked.wait()  # an answer, or the server's end (bounded: STALL_S)
         if trial.error is not None:
             self._forget(trial)
             raise Unavailable(trial.error)
+        if trial.pid is None:
+            raise Unknown(f"{self.failure or 'the warm server ended'} after it was asked to "
+                          "fork this trial, before it said whether it did")
         return trial
 
     def _forget(self, trial: Forked) -> None:
@@ -511,16 +653,35 @@ class Server:
                 message, fds = None, []
             if message is None:
                 break
+            self._heard = time.monotonic()
             if "ready" in message:
-                self.imported = (f"{message['modules']} modules imported, "
-                                 f"{time.monotonic() - self.started:.1f} s after its start")
+                self.modules, self.import_s = message["modules"], self._heard - self.started
+                self.version = code_version.CodeVersion(**message["version"])
                 self.ready.set()
             elif "error" in message and "id" not in message:
                 self.failure = f"the warm server could not start: {message['error']}"
                 break
-            else:
+            elif "id" in message:
                 self._deliver(message, fds)
         self._lost()
+
+    def _watch(self) -> None:
+        """Ask the ready server every :data:`PING_S` whether it answers; kill one that said
+        nothing for :data:`STALL_S` (module docstring)."""
+        while not self.dead.wait(PING_S):
+            if not self.ready.is_set() or self._closing:
+                continue  # importing: wait_ready bounds it
+            silent = time.monotonic() - self._heard
+            if silent > STALL_S:
+                state = "is stopped (SIGSTOP, or a debugger)" if _stopped(self.pid) else (
+                    "does not answer")
+                self.failure = (f"the warm server (pid {self.pid}) {state}: nothing from it for "
+                                f"{silent:.0f} s; it was killed, the trials it forked run on")
+                log.warning("%s", self.failure)
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.kill()
+                return
+            self.send({"op": "ping"})
 
     def _deliver(self, message: dict, fds: list[int]) -> None:
         with self._lock:
@@ -552,8 +713,8 @@ class Server:
         elif self.failure is None:
             self.failure = (f"the warm server (pid {self.pid}) ended"
                             + (f" with status {status}" if status is not None else ""))
-        self.dead.set()
         with self._lock:
+            self.dead.set()
             orphans = list(self._trials.values())
             self._trials.clear()
         for trial in orphans:
@@ -571,7 +732,7 @@ class Server:
 
     def close(self) -> None:
         """Close the socket: the server ends (its trials, if any, run on). A server still
-        importing is killed (it holds no trial)."""
+        importing, or stopped, is killed (it holds no trial, or answers nothing)."""
         self._closing = True
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -579,7 +740,8 @@ class Server:
         process = self._process
         if process is not None:
             try:
-                process.wait(timeout=10 if self.ready.is_set() else 0.5)
+                process.wait(timeout=10 if self.ready.is_set() and not _stopped(process.pid)
+                             else 0.5)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
@@ -588,129 +750,6 @@ class Server:
             self._sock = None
 
 
-def describe(module: str | None, why: str) -> str:
-    """How trials start (:func:`~muoneq.suite.sweeps.spec.warm_module`'s answer), in words."""
-    if module is None:
-        return f"each trial is spawned as its own command ({why})"
-    return f"trials start warm: one server imports the runtime once and forks each trial ({why})"
-
-
-class Launcher:
-    """How one driver starts its trials: forked by a warm :class:`Server` (``launch.warm``,
-    :func:`warm_module`), or spawned as their command; the choice and every fallback are
-    logged, and each trial's log and ``trial.json`` say how it started."""
-
-    def __init__(self, spec: SweepSpec, study_dir: Path, stop: threading.Event,
-                 env_defaults: Mapping[str, str]) -> None:
-        from muoneq.suite.sweeps.spec import warm_module
-
-        self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
-        self.env_defaults = dict(env_defaults)
-        self.module, self.why = warm_module(spec)
-        self.server: Server | None = None
-        self.servers = 0  #: servers started so far
-        self._lock = threading.Lock()
-
-    def describe(self) -> str:
-        """One line for the driver's log: how trials start, and why."""
-        return describe(self.module, self.why)
-
-    def open(self) -> None:
-        """Start the server (its imports run while the driver plans), when trials run warm."""
-        log.info("%s", self.describe())
-        if self.module is not None:
-            with self._lock:
-                self._new_server()
-
-    def close(self) -> None:
-        with self._lock:
-            if self.server is not None:
-                self.server.close()
-                self.server = None
-
-    def _new_server(self) -> Server:
-        from muoneq.suite.sweeps.launch import trial_env
-
-        env = trial_env(self.spec, (), self.env_defaults, self.study_dir)
-        env.pop(self.spec.launch.device_env, None)  # each trial's own, read after the fork
-        self.server = Server(RUNTIME_MODULE if self.module == RUNTIME_MODULE else self.module,
-                             env, self.study_dir / SERVER_LOG)
-        self.servers += 1
-        self.server.start()
-        return self.server
-
-    def _server(self) -> Server | None:
-        """The server to fork with, ready (a new one if the last died), or None: spawn."""
-        with self._lock:
-            server = self.server
-            if self.module is None:
-                return None
-            if server is None or server.dead.is_set():
-                why = server.failure if server is not None else "no server"
-                if self.servers >= MAX_SERVERS:
-                    self._give_up(f"{why}, and {self.servers} servers were started already")
-                    return None
-                log.warning("%s; its trials that still run go on and are waited for; starting "
-                            "a new warm server", why)
-                if server is not None:
-                    server.close()
-                server = self._new_server()
-        try:
-            server.wait_ready(self.stop)
-        except Unavailable as err:
-            with self._lock:
-                if server.ready.is_set() or self.module is None:
-                    return None  # it died after its start: the next trial starts a new one
-                self._give_up(str(err))
-            return None
-        if not server.announced:
-            server.announced = True
-            log.info("warm server ready (pid %s): %s", server.pid, server.imported)
-        return server
-
-    def _give_up(self, why: str) -> None:
-        """Spawn every later trial (called under the lock)."""
-        self.module = None
-        self.why = f"warm trials stopped: {why}; see {self.study_dir / SERVER_LOG}"
-        log.warning("%s", self.why)
-
-    def _difference(self, server: Server, env: Mapping[str, str]) -> str | None:
-        """Why a trial with ``env`` cannot be forked by ``server``: a process reads its
-        environment when it starts (and torch at its import), so only the devices may differ."""
-        keys = {k for k in env.keys() | server.env.keys() if env.get(k) != server.env.get(k)}
-        keys.discard(self.spec.launch.device_env)
-        if keys:
-            return (f"its environment differs from the warm server's in {', '.join(sorted(keys))}, "
-                    "which a process reads when it starts")
-        if os.getcwd() != server.cwd:
-            return f"the driver's working folder is not the warm server's ({server.cwd})"
-        return None
-
-    def start(self, argv: Sequence[str], env: Mapping[str, str], out: IO[bytes],
-              lock_fd: int):
-        """Start the trial ``argv`` with its output to ``out`` (its open ``trial.log``) and
-        holding ``lock_fd``: forked warm, else spawned (the reason in its log when it was meant
-        to be warm); :class:`Interrupted` when the sweep stopped first."""
-        from muoneq.suite.sweeps.launch import spawn
-
-        server = self._server()
-        if server is not None:
-            why = self._difference(server, env)
-            if why is None:
-                note = f"--- forked by the warm server (pid {server.pid})\n"
-                out.write(note.encode())
-                out.flush()
-                try:
-                    return server.fork(argv, self.module, env, out.fileno(), lock_fd)
-                except Unavailable as err:
-                    why = f"the warm server could not fork it: {err}"
-            log.warning("trial %s is spawned: %s", shlex.join(argv[3:5]), why)
-            out.write(f"--- spawned: {why}\n".encode())
-            out.flush()
-        return spawn(argv, env, out, lock_fd)
-
-
 def main(argv: list[str]) -> int:
     """The server (:data:`SERVER_MAIN`): serve on the socket whose descriptor is ``argv[0]``."""
     return serve(socket.socket(fileno=int(argv[0])))
-
