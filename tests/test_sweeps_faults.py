@@ -26,8 +26,9 @@ from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep, warm
 from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
+from tests.helpers import small_disk
 from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
-from tests.helpers.commands import clean_env
+from tests.helpers.commands import clean_env, one_line_error
 from tests.helpers.sweeps import OBJECTIVE, WARM_LAUNCH, load, options, write_sweep
 
 
@@ -331,6 +332,26 @@ def test_a_run_that_found_the_disk_full_stops_the_sweep_at_once(tmp_path, capsys
     trial = optuna.load_study(study_name="tiny",
                               storage=open_storage(None, runs / "tiny")).get_trials()[0]
     assert trial.user_attrs["outcome"] == "disk_full"  # not a failure: no retry used up
+@pytest.mark.parametrize("free", [0, 8192], ids=["creating-the-study", "mid-sweep"])
+def test_a_real_full_disk_under_the_journal_stops_the_sweep_with_one_line_naming_it(tmp_path,
+                                                                                  free):
+    """A journal on a disk of its own (--storage journal:…, here a real tmpfs) that fills up
+    used to be a traceback while the study was created, and mid-sweep a line naming the runs
+    folder's disk, with its free space, instead of the journal's."""
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0, 1])
+    disk = tmp_path / "journal"
+    disk.mkdir()
+    command = shlex.join([sys.executable, "-m", "muoneq", "sweep", str(sweep), "--runs-dir",
+                          str(tmp_path / "runs"), "--storage", f"journal:{disk}/optuna.journal",
+                          "--poll", "0.2"])
+    done = small_disk.run(disk, f'{command}; echo "status $?"', free=free, env=clean_env())
+    assert done.stdout.splitlines()[-1] == "status 4", done.stdout + done.stderr
+    assert one_line_error(done.stderr) == (
+        f"muoneq: no space left on the disk holding {disk / 'optuna.journal'} (0.00 GiB free); "
+        "free space there (old runs, checkpoints) or write to a larger disk; then run the same "
+        "sweep command to continue")
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` still runs the objective program, spawned or forked by a warm
     server (a pid that was reaped may be reused by an unrelated process)."""
