@@ -76,6 +76,15 @@ def test_a_folder_muoneq_did_not_make_is_never_taken_over(tmp_path, capsys):
     assert "is not a run folder of muoneq train" in one_line(capsys.readouterr().err)
     del before["config.yaml"]
     assert tree(mine) == before
+    # a file of the name a run writes (routing.txt) used to be overwritten without a word
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "routing.txt").write_text("my routing notes")
+    assert main(["train", *tiny(tmp_path, f"run.dir={notes}")]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"muoneq: {notes} holds routing.txt but no config.yaml, so it is not a run folder of "
+        "muoneq train and is left alone; choose another run.dir or run.name")
+    assert tree(notes) == {"routing.txt": b"my routing notes"}
 
 
 # ----------------------------------------------------------------------------- one writer
@@ -278,6 +287,20 @@ def test_the_triton_backend_on_a_cpu_is_one_line_before_the_run_folder_is_writte
     assert line.startswith("muoneq: optimizer.ns_backend")
     assert line.endswith("; or use optimizer.ns_backend=torch")
     assert not run.exists()
+
+
+def test_a_setting_lightning_rejects_once_it_has_the_data_is_one_line(tmp_path, capsys):
+    """trainer.limit_train_batches=0.00001 (of 4 batches: none) used to be Lightning's
+    traceback, raised once fit had the data."""
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={tmp_path / 'run'}",
+                "trainer.limit_train_batches=0.00001")
+    assert main(["train", *args]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("muoneq: trainer: You requested to check 1e-05 of the "
+                           "`train_dataloader` but 1e-05 * 4 < 1")
+    assert line.endswith("; fix that trainer setting")
+    fixed = [a for a in args if not a.startswith("trainer.limit_train_batches")]
+    assert main(["train", *fixed]) == 0  # the folder it left is no obstacle
 
 
 def test_a_metrics_file_cut_by_a_kill_is_removed_on_resume(tmp_path, capsys):
@@ -581,6 +604,21 @@ def test_an_empty_or_malformed_checksum_file_is_a_damaged_checkpoint(reference, 
     assert f"muoneq: note: {two} is damaged (its checksum file" in out
     assert "no intact checkpoint is left: the run starts over" in out
     assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
+
+
+def test_a_checksum_file_in_sha256sums_binary_mode_is_read(tmp_path):
+    """A .sha256 made by hand with `sha256sum -b` (`<hash> *<name>`) used to be called
+    malformed, and its intact checkpoint set aside as damaged."""
+    target = tmp_path / "last-step000000001.ckpt"
+    ChecksummedCheckpointIO().save_checkpoint({"w": torch.ones(3)}, target)
+    listed = subprocess.run(["sha256sum", "-b", target.name], cwd=tmp_path, check=True,
+                            capture_output=True, text=True).stdout
+    assert listed.endswith(f" *{target.name}\n")
+    ckpts.checksum_path(target).write_text(listed)
+    assert ckpts.damage(target) is None
+    flip_a_tensor_byte(target)
+    assert ckpts.damage(target) == (f"the SHA-256 of {target.name} differs from the one in "
+                                    f"{target.name}.sha256")
 
 
 def test_the_checksum_is_on_the_disk_before_the_checkpoint_counts(tmp_path, monkeypatch):

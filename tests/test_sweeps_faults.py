@@ -153,9 +153,11 @@ def test_a_malformed_sweep_file_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize(("content", "words"), [
     (b"- study: x\n- grid: []\n", "the file holds a list at its top level, and a sweep file is "
                                   "a mapping of its fields"),
+    (b"7\n", "the file holds a number at its top level, and a sweep file is a mapping of its "
+             "fields"),  # was a traceback: OmegaConf takes no one-value document
     (b"study: caf\xe9\n", "byte 10 is not UTF-8 (invalid continuation byte), so the file is "
                           "not a sweep file (YAML in UTF-8); save it as UTF-8")],
-    ids=["top-level list", "not UTF-8"])
+    ids=["top-level list", "bare number", "not UTF-8"])
 def test_a_sweep_file_that_is_no_mapping_or_not_utf8_is_one_line(tmp_path, capsys, content,
                                                                  words):
     from muoneq.suite.cli import main
@@ -165,6 +167,22 @@ def test_a_sweep_file_that_is_no_mapping_or_not_utf8_is_one_line(tmp_path, capsy
     assert main(["sweep", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"muoneq: {bad}: {words}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_a_study_name_longer_than_a_folder_name_is_one_line(tmp_path, capsys, dry_run):
+    """A 300-character study name used to be a traceback (the study folder's name is too long
+    for the file system), even with --dry-run."""
+    from muoneq.suite.cli import main
+
+    sweep = write_sweep(tmp_path / "s.yaml", study="s" * 300)
+    runs = tmp_path / "runs"
+    assert main(["sweep", str(sweep), "--runs-dir", str(runs),
+                 *(["--dry-run"] if dry_run else [])]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"muoneq: {sweep}: study={'s' * 40}… is 300 bytes, and a folder name holds at most 255; "
+        "choose a shorter study name")
+    assert not runs.exists()
 
 
 @pytest.mark.parametrize("what", ["sweep file", "journal", "a run's metrics.json",

@@ -52,8 +52,9 @@ BEST_NAME = "best"
 CHECKSUM_SUFFIX = ".sha256"
 DAMAGED_SUFFIX = ".damaged"
 _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
-#: A line of a ``.sha256`` file (``sha256sum``'s format).
-_SUM_LINE = re.compile(r"([0-9a-f]{64})  (\S.*)")
+#: A line of a ``.sha256`` file (``sha256sum``'s format: text mode ``<hash>  <name>``, binary
+#: mode ``<hash> *<name>``, as ``sha256sum -b`` writes it).
+_SUM_LINE = re.compile(r"([0-9a-f]{64}) [ *](\S.*)")
 
 
 #: What a run stopped by a full disk says to do once there is room.

@@ -34,6 +34,7 @@ from typing import NamedTuple, NoReturn
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -53,10 +54,10 @@ from muoneq.suite.runtime.checkpoints import (
 )
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
-from muoneq.suite.runtime.module import compiles
+from muoneq.suite.runtime.module import ROUTING_FILE, compiles
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
-from muoneq.suite.runtime.trainer import build_trainer, check_accelerator
+from muoneq.suite.runtime.trainer import build_trainer, check_accelerator, lightning_config_error
 from muoneq.suite.runtime.written import Written
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
@@ -250,12 +251,15 @@ def _check_ours(run_dir: Path) -> dict | None:
     """The run folder's ``config.yaml`` record (None: a new run); :class:`RunFolderError` for a
     folder that holds what ``muoneq train`` writes but is not a run folder of it. Reads only."""
     previous = record.read_record(run_dir)
-    if previous is None and not (run_dir / METRICS_FILE).is_file() and (
-            checkpoints.last_checkpoints(run_dir) or (run_dir / TENSORBOARD_DIR).is_dir()):
-        raise RunFolderError(
-            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
-            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
-            "run.name")
+    if previous is None and not (run_dir / METRICS_FILE).is_file():
+        made = [what for what, there in (
+            (f"{CHECKPOINT_DIR}/", bool(checkpoints.last_checkpoints(run_dir))),
+            (f"{TENSORBOARD_DIR}/", (run_dir / TENSORBOARD_DIR).is_dir()),
+            (ROUTING_FILE, (run_dir / ROUTING_FILE).exists())) if there]
+        if made:  # a run would write over them
+            raise RunFolderError(
+                f"{run_dir} holds {' and '.join(made)} but no {CONFIG_FILE}, so it is not a run "
+                "folder of muoneq train and is left alone; choose another run.dir or run.name")
     return previous
 
 
@@ -373,6 +377,8 @@ def _session(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: P
             f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
             f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
             f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+    except MisconfigurationException as err:  # what Lightning checks once it has the data
+        raise lightning_config_error(err, "fix that trainer setting") from None
     except SIGTERMException:  # Lightning's handler saw it first (before training began)
         raise Interrupted(
             f"training of {run_dir} stopped by SIGTERM at step {trainer.global_step}, "

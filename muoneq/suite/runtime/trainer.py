@@ -132,6 +132,12 @@ class GlobalStepLogger(TensorBoardLogger):
             super().log_metrics(metrics, step + 1 if fitting and step is not None else step)
 
 
+def lightning_config_error(err: Exception, fix: str) -> ConfigError:
+    """Lightning's error for settings it rejects, as one line: its first line, then ``fix``."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ConfigError(f"trainer: {first.rstrip('.')}; {fix}")
+
+
 def check_accelerator(t: DictConfig) -> None:
     """A clear error for an accelerator this machine does not have (before Lightning's)."""
     if t.accelerator is AcceleratorName.npu:
@@ -253,11 +259,10 @@ def build_trainer(
             environment.validate_settings(trainer.num_devices, trainer.num_nodes)
     except (MisconfigurationException, ValueError) as err:
         # e.g. more devices than this machine has, or trainer.devices ≠ SLURM's ntasks-per-node
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"trainer: {first}; check trainer.accelerator ({t.accelerator.value}), "
-            f"trainer.devices ({t.devices}), trainer.num_nodes ({t.num_nodes}) and "
-            f"trainer.strategy ({t.strategy.value}) against this machine") from None
+        raise lightning_config_error(
+            err, f"check trainer.accelerator ({t.accelerator.value}), trainer.devices "
+                 f"({t.devices}), trainer.num_nodes ({t.num_nodes}) and trainer.strategy "
+                 f"({t.strategy.value}) against this machine") from None
     try:  # the device is known once the strategy is
         check_ns_backend(cfg.optimizer, trainer.strategy.root_device)
     except ValueError as err:
