@@ -370,35 +370,6 @@ def test_a_real_full_disk_under_the_journal_stops_the_sweep_with_one_line_naming
         "sweep command to continue")
 
 
-@pytest.mark.slow
-def test_a_real_full_disk_in_a_training_trial_stops_the_sweep_at_once(tmp_path):
-    """A trial of `muoneq train` whose checkpoint met a real full disk (a tmpfs holding the runs)
-    exited 1 with torch's "unexpected pos" traceback, and the sweep retried it as a failure."""
-    from tests.helpers.runtime import tiny_cifar10
-
-    sweep = write_sweep(
-        tmp_path / "s.yaml", experiment="cifar10_resnet18", seeds=[0],
-        overrides=[*tiny_cifar10(tmp_path), "trainer.max_epochs=1", "task.model.width=64"],
-        grid=[{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.05]}],
-        objective={"metric": "test/acc", "direction": "maximize"},
-        launch={"warm": False}, retry={"max_retries": 3})
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    command = shlex.join([sys.executable, "-m", "muoneq", "sweep", str(sweep), "--runs-dir",
-                          str(runs), "--storage", f"journal:{tmp_path}/optuna.journal"])
-    done = small_disk.run(runs, f'{command}; echo "status $?"', free=256 << 10,
-                          env=clean_env())  # room for everything but a checkpoint (~0.7 MB)
-    assert done.stdout.splitlines()[-1] == "status 4", done.stdout + done.stderr
-    line = one_line_error(done.stderr)
-    first = load_sweep(sweep).points()[0]
-    assert line.startswith(f"muoneq: trial 0 ({first.key} | seed=0): no space left on the disk "
-                           f"holding {first.run_dir(runs / 'tiny', 0)}/checkpoints/")
-    trials = optuna.load_study(
-        study_name="tiny", storage=open_storage(f"journal:{tmp_path}/optuna.journal",
-                                                tmp_path)).get_trials()
-    assert [t.user_attrs["outcome"] for t in trials] == ["disk_full"]  # no retry, no other run
-
-
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` still runs the objective program, spawned or forked by a warm
     server (a pid that was reaped may be reused by an unrelated process)."""
