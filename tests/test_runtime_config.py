@@ -126,6 +126,8 @@ def test_schema_types_come_from_the_signature():
         (["optimizer=sgd", "optimizer.lr=-1"], ["optimizer (sgd)", "learning rate"]),
         (["task.model.width=0"], ["task.model.width", "≥ 1"]),
         (["trainer.max_epochs=null"], ["trainer.max_epochs", "max_steps"]),
+        (["trainer.max_epochs=-1", "trainer.max_steps=-1"],  # was a traceback once it ran
+         ["trainer.max_epochs=-1 / trainer.max_steps=-1", "set at least one", "-1 and null"]),
         (["trainer.max_steps=0"], ["trainer.max_steps=0", "trains nothing", "≥ 1"]),
         (["trainer.max_steps=-2"], ["trainer.max_steps=-2", "≥ 1", "-1"]),
         (["trainer.max_epochs=0"], ["trainer.max_epochs=0", "trains nothing"]),

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +24,11 @@ from muoneq.suite.errors import DiskFull, Interrupted
 from muoneq.suite.runtime import ConfigError, compose, train
 from muoneq.suite.runtime import checkpoints as ckpts
 from muoneq.suite.runtime.checkpoints import CheckpointError, ChecksummedCheckpointIO
+from muoneq.suite.runtime.written import Written
+from tests.helpers import small_disk
 from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
-from tests.helpers.runtime import Losses, StopAt, tiny
-from tests.helpers.sweeps import REPO
+from tests.helpers.runtime import TINY_RUNS, Losses, StopAt, tiny
+from tests.helpers.sweeps import REPO, scalars
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,6 +75,15 @@ def test_a_folder_muoneq_did_not_make_is_never_taken_over(tmp_path, capsys):
     assert "is not a run folder of muoneq train" in one_line(capsys.readouterr().err)
     del before["config.yaml"]
     assert tree(mine) == before
+    # a file of the name a run writes (routing.txt) used to be overwritten without a word
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "routing.txt").write_text("my routing notes")
+    assert main(["train", *tiny(tmp_path, f"run.dir={notes}")]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"muoneq: {notes} holds routing.txt but no config.yaml, so it is not a run folder of "
+        "muoneq train and is left alone; choose another run.dir or run.name")
+    assert tree(notes) == {"routing.txt": b"my routing notes"}
 
 
 # ----------------------------------------------------------------------------- one writer
@@ -142,29 +154,70 @@ def test_two_processes_in_one_run_folder(tmp_path):
 
 
 # ----------------------------------------------------------------------------- paths
-def test_a_checkpoints_link_is_written_through_and_only_our_files_are_cleaned(tmp_path, capsys):
-    """checkpoints/ as a link to scratch (a cluster habit): starting over after an attempt that
-    left no checkpoint used to delete everything in the link's target."""
-    run, scratch = tmp_path / "run", tmp_path / "scratch"
+def test_a_links_target_loses_only_the_files_the_run_wrote(tmp_path, capsys):
+    """checkpoints/ and tensorboard/ as links to shared folders (a cluster habit): starting over
+    after an attempt that left no checkpoint used to delete there, by their names, what muoneq
+    never wrote: a user's .cache.tmp/ with its contents, a .notes.tmp, an orphan .sha256,
+    another host's TensorBoard event file."""
+    run, scratch, logs = tmp_path / "run", tmp_path / "scratch", tmp_path / "logs"
     (scratch / "data").mkdir(parents=True)
     (scratch / "data" / "corpus.txt").write_text("mine")
-    (scratch / "notes.txt").write_text("mine too")
+    (scratch / ".cache.tmp").mkdir()
+    (scratch / ".cache.tmp" / "blob").write_text("mine")
+    (scratch / ".notes.tmp").write_text("mine")
+    (scratch / "best.ckpt.sha256").write_text(f"{'0' * 64}  best.ckpt\n")  # its file moved away
     run.mkdir()
     (run / "checkpoints").symlink_to(scratch)
     args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")
     with pytest.raises(RuntimeError, match="stopped by the test"):
         train(compose(args), callbacks=[StopAt(2)])  # before the first (end of epoch) checkpoint
-    (scratch / ".best.ckpt.4242.tmp").write_bytes(b"a cut write")  # ours, by name
+    (run / "tensorboard").rename(logs)  # the curves moved to a shared folder of logs
+    (run / "tensorboard").symlink_to(logs)
+    attempt = {p.name for p in logs.glob("events.out.tfevents.*")}
+    other = logs / "events.out.tfevents.1790000000.node7.4242.0"
+    other.write_bytes(b"another host's curves")
+    users = tree(scratch)
     capsys.readouterr()
     assert main(["train", *args, "resume=auto"]) == 0
     out = capsys.readouterr().out
     assert (f"muoneq: note: {run / 'checkpoints'} is a symbolic link: the run writes to "
-            f"{scratch} (and removes there only files it wrote, by name)") in out
+            f"{scratch} (and removes there only the files it wrote)") in out
     assert "starting over" in out
-    assert (scratch / "data" / "corpus.txt").read_text() == "mine"
-    assert (scratch / "notes.txt").read_text() == "mine too"
+    after = tree(scratch)
+    assert {name: after[name] for name in users} == users
+    assert other.read_bytes() == b"another host's curves"
+    assert not attempt & {p.name for p in logs.iterdir()}  # the attempt's curves: gone
     assert sorted(p.name for p in scratch.iterdir()) == [
-        "data", "last-step000000004.ckpt", "last-step000000004.ckpt.sha256", "notes.txt"]
+        ".cache.tmp", ".notes.tmp", "best.ckpt.sha256", "data", "last-step000000004.ckpt",
+        "last-step000000004.ckpt.sha256"]
+
+
+def test_two_runs_whose_checkpoints_link_to_one_folder_are_refused_together(tmp_path, capsys):
+    """Two runs whose checkpoints/ link to one scratch folder, started together, used to both
+    exit 0: the folder ended with one run's best.ckpt and last-step…ckpt, and the other run's
+    folder handed out its weights. The one-writer lock covers where the files really go."""
+    from muoneq.suite.runtime import run_folder
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    first, second = tmp_path / "first", tmp_path / "second"
+    for run in (first, second):
+        run.mkdir()
+        (run / "checkpoints").symlink_to(scratch)
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={second}")
+    with run_folder.hold(first, ["the", "first"]):  # a live run writes there
+        before = tree(tmp_path)
+        assert main(["train", *args]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith(f"muoneq: {scratch}, where {second / 'checkpoints'} leads, is "
+                               f"being written by process {os.getpid()} on ")
+        assert line.endswith("muoneq train the first), and runs that wrote one folder at once "
+                             "would mix their files; link checkpoints/ to a folder of its own, "
+                             "or wait for that run to end (or stop it)")
+        assert tree(tmp_path) == before
+    assert not (scratch / run_folder.LOCK_NAME).exists()  # released with the first run
+    assert main(["train", *args]) == 0
+    assert not (scratch / run_folder.LOCK_NAME).exists()
 
 
 def test_a_run_folder_that_links_out_of_the_runs_root_is_refused(tmp_path, capsys):
@@ -216,6 +269,39 @@ def test_a_run_root_or_checkpoints_that_is_no_folder_is_one_line(tmp_path, capsy
     keys = {"run.root": "run.root / run.name", "checkpoints": "run.dir"}[where]
     assert line.endswith(f", or choose another run folder ({keys})")
     assert not (bad.parent / "nowhere").exists()
+
+
+def test_the_triton_backend_on_a_cpu_is_one_line_before_the_run_folder_is_written(
+        tmp_path, capsys, monkeypatch):
+    """optimizer.ns_backend=triton on a CPU (without Triton's interpreter) used to be a
+    traceback, raised while the config was composed: no machine could even compose it, GPU
+    machines included (the composition's check builds the optimizer on a CPU model)."""
+    from muoneq import ns_triton
+
+    monkeypatch.setattr(ns_triton, "_interpreted", lambda: False)  # as without TRITON_INTERPRET
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}", "optimizer.ns_backend=triton")
+    assert compose(args).optimizer.ns_backend == "triton"  # composes anywhere
+    assert main(["train", *args]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        "muoneq: optimizer.ns_backend='triton': the kernels run on CUDA tensors, got cpu; set "
+        "TRITON_INTERPRET=1 before importing muoneq to run them on CPU (slowly, for tests); or "
+        "use optimizer.ns_backend=torch")
+    assert not run.exists()
+
+
+def test_a_setting_lightning_rejects_once_it_has_the_data_is_one_line(tmp_path, capsys):
+    """trainer.limit_train_batches=0.00001 (of 4 batches: none) used to be Lightning's
+    traceback, raised once fit had the data."""
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={tmp_path / 'run'}",
+                "trainer.limit_train_batches=0.00001")
+    assert main(["train", *args]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("muoneq: trainer: You requested to check 1e-05 of the "
+                           "`train_dataloader` but 1e-05 * 4 < 1")
+    assert line.endswith("; fix that trainer setting")
+    fixed = [a for a in args if not a.startswith("trainer.limit_train_batches")]
+    assert main(["train", *fixed]) == 0  # the folder it left is no obstacle
 
 
 def test_a_metrics_file_cut_by_a_kill_is_removed_on_resume(tmp_path, capsys):
@@ -313,7 +399,9 @@ def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, cap
         (folder / name).write_bytes(data)
     nine = folder / "last-step000000009.ckpt"
     flip_a_tensor_byte(nine)
-    (folder / ".last-step000000010.ckpt.tmp").write_bytes(b"a write cut short by a kill")
+    cut = folder / ".last-step000000010.ckpt.31337.tmp"  # a write a kill cut short
+    Written(run).record("checkpoints", cut.name)  # listed before it was written, as a run does
+    cut.write_bytes(b"a write cut short by a kill")
     damaged = nine.read_bytes()
     if not checksums:  # a checkpoint written before the checksums: torch's CRC-32s
         for p in folder.glob("*.sha256"):
@@ -337,21 +425,22 @@ def test_a_damaged_checkpoint_is_named_kept_and_skipped(reference, tmp_path, cap
         *(["last-step000000009.ckpt.sha256.damaged"] if checksums else [])])
 
 
+def stopped_at_step_7(data_dir: Path, run: Path, *extra: str) -> tuple[Path, list[str]]:
+    """A run of 3 epochs (12 steps) saving every 2 steps, crashed at step 7: its checkpoints
+    folder (step 6) and its arguments."""
+    args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={run}",
+                "trainer.checkpoint_every_n_steps=2", *extra)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(7)])
+    return run / "checkpoints", args
+
+
 def test_a_checkpoint_of_another_run_or_of_another_step_is_refused(reference, tmp_path,
                                                                   capsys):
     """Another run's checkpoint (a valid checksum) placed in checkpoints/ used to resume
     silently, as did a checkpoint renamed to another step."""
     data_dir, _ = reference
-
-    def stopped(name: str, *extra: str) -> tuple[Path, list[str]]:
-        run = tmp_path / name
-        args = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={run}",
-                    "trainer.checkpoint_every_n_steps=2", *extra)
-        with pytest.raises(RuntimeError, match="stopped by the test"):
-            train(compose(args), callbacks=[StopAt(7)])
-        return run / "checkpoints", args
-
-    folder, args = stopped("mine")
+    folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
     six, eight = folder / "last-step000000006.ckpt", folder / "last-step000000008.ckpt"
     six.rename(eight)  # this run's step 6, renamed
     ckpts.checksum_path(six).unlink()
@@ -364,7 +453,7 @@ def test_a_checkpoint_of_another_run_or_of_another_step_is_refused(reference, tm
     assert "move it out of checkpoints/ to resume from the previous checkpoint" in line
     assert tree(tmp_path / "mine") == before  # refused before anything was written
 
-    other, _ = stopped("other", "optimizer.lr=0.01")
+    other, _ = stopped_at_step_7(data_dir, tmp_path / "other", "optimizer.lr=0.01")
     for name in (eight.name, f"{eight.name}.sha256"):
         (folder / name).unlink()
     for name in (six.name, f"{six.name}.sha256"):
@@ -372,6 +461,61 @@ def test_a_checkpoint_of_another_run_or_of_another_step_is_refused(reference, tm
     assert main(["train", *args, "resume=auto"]) == 2
     assert one_line(capsys.readouterr().err).startswith(
         f"muoneq: {six} is a checkpoint of another run (fingerprint ")
+
+
+def test_an_unstamped_checkpoint_is_refused_by_a_run_that_stamps(reference, tmp_path, capsys):
+    """Another run's checkpoint without a stamp (a valid checksum, the right step) used to
+    resume silently — the identity check was skipped for checkpoints without one — and the run
+    finished on the other run's weights."""
+    import yaml
+
+    data_dir, _ = reference
+    folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
+    other, _ = stopped_at_step_7(data_dir, tmp_path / "other", "optimizer.lr=0.01")
+    six = folder / "last-step000000006.ckpt"
+    saved = torch.load(other / six.name, map_location="cpu", weights_only=False)
+    del saved[ckpts.STAMP_KEY]  # as an older version wrote it
+    torch.save(saved, six)
+    ckpts.checksum_path(six).write_text(f"{ckpts._sha256(six)}  {six.name}\n")
+    before = tree(tmp_path / "mine")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"muoneq: {six} carries no stamp of its run, and every checkpoint this run saves has "
+        "one (config.yaml says stamped_checkpoints: true): another run saved it, or a version "
+        "of muoneq that stamped none, and it was copied in; move it out of checkpoints/ to "
+        "resume from the previous checkpoint, or start the run again in another folder "
+        "(another run.dir or run.name)")
+    assert tree(tmp_path / "mine") == before
+    # a run started by a version that stamped nothing resumes from its unstamped checkpoints
+    record = yaml.safe_load((tmp_path / "mine" / "config.yaml").read_text())
+    del record["provenance"]["stamped_checkpoints"]
+    (tmp_path / "mine" / "config.yaml").write_text(yaml.safe_dump(record))
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert "resuming" in capsys.readouterr().out
+
+
+def test_a_best_checkpoint_is_removed_once_a_session_without_save_best_beats_it(tmp_path,
+                                                                               capsys):
+    """A run resumed with trainer.save_best=false used to keep the best.ckpt of its first
+    session (step 3) while metrics.json said the best was at a later step."""
+    run = tmp_path / "run"
+    args = [*TINY_RUNS["language"](tmp_path), "experiment=llama_tiny_shakespeare",
+            "task.val_every_n_steps=3", "trainer.max_steps=8", "schedule.warmup_steps=0",
+            "trainer.checkpoint_every_n_steps=2", f"run.dir={run}"]
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(5)])  # validated at step 3, saved at step 4
+    best = run / "checkpoints" / "best.ckpt"
+    assert torch.load(best, map_location="cpu", weights_only=False)["global_step"] == 3
+    capsys.readouterr()
+    metrics = train(compose([*args, "resume=auto", "trainer.save_best=false"]))
+    losses = scalars(run)["val/loss"]
+    best_step = min(losses, key=lambda point: point[1])[0]
+    assert best_step > 3 and metrics["best"] == pytest.approx(min(v for _, v in losses))
+    assert not best.exists() and not ckpts.checksum_path(best).exists()
+    assert (f"muoneq: note: {best} removed: it held an earlier best of the run, and val/loss "
+            "is better at step 6, which trainer.save_best=false does not save"
+            ) in capsys.readouterr().out
 
 
 def test_a_resume_on_changed_data_is_refused_unless_accepted(tmp_path, capsys):
@@ -463,6 +607,21 @@ def test_an_empty_or_malformed_checksum_file_is_a_damaged_checkpoint(reference, 
     assert (run / "checkpoints" / "last-step000000002.ckpt.damaged").is_file()
 
 
+def test_a_checksum_file_in_sha256sums_binary_mode_is_read(tmp_path):
+    """A .sha256 made by hand with `sha256sum -b` (`<hash> *<name>`) used to be called
+    malformed, and its intact checkpoint set aside as damaged."""
+    target = tmp_path / "last-step000000001.ckpt"
+    ChecksummedCheckpointIO().save_checkpoint({"w": torch.ones(3)}, target)
+    listed = subprocess.run(["sha256sum", "-b", target.name], cwd=tmp_path, check=True,
+                            capture_output=True, text=True).stdout
+    assert listed.endswith(f" *{target.name}\n")
+    ckpts.checksum_path(target).write_text(listed)
+    assert ckpts.damage(target) is None
+    flip_a_tensor_byte(target)
+    assert ckpts.damage(target) == (f"the SHA-256 of {target.name} differs from the one in "
+                                    f"{target.name}.sha256")
+
+
 def test_the_checksum_is_on_the_disk_before_the_checkpoint_counts(tmp_path, monkeypatch):
     """The checksum file is synced and renamed into place, and that rename synced, before the
     checkpoint's own rename makes it a resume point."""
@@ -548,6 +707,70 @@ def test_a_full_disk_while_training_is_one_line_and_resumable(tmp_path, capsys, 
     monkeypatch.setattr(ckpts._HashingWriter, "write", real_write)
     assert main(["train", *args, "resume=auto"]) == 0
     assert "resuming" in capsys.readouterr().out
+
+
+def _on_small_disk(tmp_path: Path, disk: Path, args: list[str], *, free: int,
+                   resume: bool = True) -> list[tuple[int, str, list[str]]]:
+    """Run ``muoneq train args`` with ``disk`` a tmpfs filled to leave ``free`` bytes (and, with
+    ``resume``, again with ``resume=auto`` once the disk has room); each run's status, stderr
+    and what ``disk`` held after it."""
+    command = shlex.join([sys.executable, "-m", "muoneq", "train", *args])
+    runs = [f"{command} > /dev/null 2> {tmp_path}/0.err; echo \"status $?\"",
+            'ls -A "$DISK" | grep -v "^.filler$" | tr "\\n" " "; echo']
+    if resume:
+        runs += ['rm "$DISK/.filler"',
+                 f"{command} resume=auto > /dev/null 2> {tmp_path}/1.err; echo \"status $?\"",
+                 'ls -A "$DISK" | tr "\\n" " "; echo']
+    done = small_disk.run(disk, "\n".join(runs), free=free,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2 + 2 * resume, done.stdout + done.stderr
+    return [(int(lines[2 * i].split()[1]), (tmp_path / f"{i}.err").read_text(),
+             lines[2 * i + 1].split()) for i in range(1 + resume)]
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_during_a_checkpoint_is_one_line_exit_4_and_resumable(tmp_path):
+    """checkpoints/ on a scratch disk that fills up (a real tmpfs with 8 KiB left, a checkpoint
+    is ~21 KiB) used to end in a traceback and exit 1 — torch's zip writer replaces the ENOSPC
+    with "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos" — which a
+    sweep retried as a failure."""
+    run, disk = tmp_path / "run", tmp_path / "scratch"
+    run.mkdir()
+    disk.mkdir()
+    (run / "checkpoints").symlink_to(disk)
+    args = tiny(tmp_path, "trainer.max_epochs=2", f"run.dir={run}", "task.model.width=32")
+    (status, err, left), (again, err_again, kept) = _on_small_disk(tmp_path, disk, args,
+                                                                   free=65536)
+    assert status == 4, err[-3000:]
+    line = one_line(err)
+    assert line.startswith("muoneq: no space left on the disk holding "
+                           f"{disk / 'last-step000000004.ckpt'} (0.00 GiB free); ")  # where it is
+    assert line.endswith("; then continue the run with resume=auto")
+    assert left == []  # nothing half-written stays
+    assert again == 0, err_again[-3000:]
+    assert kept == ["last-step000000008.ckpt", "last-step000000008.ckpt.sha256"]
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_while_the_tensorboard_file_is_created_is_one_line_exit_4(tmp_path):
+    """tensorboard/ on a disk that is full (a real tmpfs) used to end in two tracebacks —
+    TensorBoard's writer thread's, then the run's — and exit 1."""
+    run, disk = tmp_path / "run", tmp_path / "logs"
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}")
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(2)])  # an attempt that left no checkpoint
+    shutil.rmtree(run / "tensorboard")
+    disk.mkdir()
+    (run / "tensorboard").symlink_to(disk)  # the curves go to a disk of their own
+    [(status, err, left)] = _on_small_disk(  # the lock file's page: the run holds the folder
+        tmp_path, disk, args, free=4096, resume=False)
+    assert status == 4, err[-3000:]
+    line = one_line(err)  # and no thread's traceback
+    assert line.startswith(f"muoneq: no space left on the disk holding {run / 'tensorboard'}")
+    assert line.endswith(" GiB free); free space there (old runs, checkpoints) or write to a "
+                         "larger disk; then continue the run with resume=auto")
+    assert all(name.startswith("events.out.tfevents.") for name in left)  # created, then full
 
 
 # ----------------------------------------------------------------------------- results
@@ -731,6 +954,36 @@ def test_a_signal_after_the_last_step_is_an_interruption(finished_runs, tmp_path
     metrics = train(compose([*args, "resume=auto"]))  # the evaluation is done again
     for key in ("final", "best", "test/acc", "global_step"):
         assert metrics[key] == reference[steps][key], key
+
+
+class CtrlCTwice(L.Callback):
+    """Ctrl-C pressed twice at optimizer step ``step`` (the first handled before the second)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler as kill returns
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_second_ctrl_c_stops_at_once_with_130_and_how_to_continue(tmp_path, capsys):
+    """A second Ctrl-C used to raise KeyboardInterrupt, which Lightning ends with its own
+    message and sys.exit(1): a stopped run looked failed."""
+    run = tmp_path / "run"
+    args = tiny(tmp_path, "trainer.max_epochs=3", f"run.dir={run}")
+    with pytest.raises(Interrupted) as err:
+        train(compose(args), callbacks=[CtrlCTwice(5)], argv=args)
+    assert err.value.exit_code == 130
+    assert str(err.value) == (
+        f"training of {run} stopped at once by a second SIGINT (Ctrl-C) at step 5, before the "
+        "step could be saved; continue it from its last checkpoint with: "
+        f"{shlex.join(['muoneq', 'train', *args, 'resume=auto'])}")
+    assert "Detected KeyboardInterrupt" not in capsys.readouterr().out
+    assert not (run / "metrics.json").exists() and ckpts.resume_point(run) == (
+        run / "checkpoints" / "last-step000000004.ckpt", [])
+    assert train(compose([*args, "resume=auto"]))["global_step"] == 12
 
 
 def test_a_distributed_checkpoint_folder_is_checked_file_by_file(tmp_path):

@@ -26,8 +26,9 @@ from muoneq.suite.sweeps import Driver, SweepError, launch, load_sweep, warm
 from muoneq.suite.sweeps.storage import JournalError, open_storage
 from muoneq.suite.sweeps.trial_record import TrialRecord
 from muoneq.suite.sweeps.verdict import judge
+from tests.helpers import small_disk
 from tests.helpers.access import deny_access  # noqa: F401 (a fixture: deny)
-from tests.helpers.commands import clean_env
+from tests.helpers.commands import clean_env, one_line_error
 from tests.helpers.sweeps import OBJECTIVE, WARM_LAUNCH, load, options, write_sweep
 
 
@@ -152,9 +153,11 @@ def test_a_malformed_sweep_file_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize(("content", "words"), [
     (b"- study: x\n- grid: []\n", "the file holds a list at its top level, and a sweep file is "
                                   "a mapping of its fields"),
+    (b"7\n", "the file holds a number at its top level, and a sweep file is a mapping of its "
+             "fields"),  # was a traceback: OmegaConf takes no one-value document
     (b"study: caf\xe9\n", "byte 10 is not UTF-8 (invalid continuation byte), so the file is "
                           "not a sweep file (YAML in UTF-8); save it as UTF-8")],
-    ids=["top-level list", "not UTF-8"])
+    ids=["top-level list", "bare number", "not UTF-8"])
 def test_a_sweep_file_that_is_no_mapping_or_not_utf8_is_one_line(tmp_path, capsys, content,
                                                                  words):
     from muoneq.suite.cli import main
@@ -164,6 +167,22 @@ def test_a_sweep_file_that_is_no_mapping_or_not_utf8_is_one_line(tmp_path, capsy
     assert main(["sweep", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"muoneq: {bad}: {words}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_a_study_name_longer_than_a_folder_name_is_one_line(tmp_path, capsys, dry_run):
+    """A 300-character study name used to be a traceback (the study folder's name is too long
+    for the file system), even with --dry-run."""
+    from muoneq.suite.cli import main
+
+    sweep = write_sweep(tmp_path / "s.yaml", study="s" * 300)
+    runs = tmp_path / "runs"
+    assert main(["sweep", str(sweep), "--runs-dir", str(runs),
+                 *(["--dry-run"] if dry_run else [])]) == 2
+    assert one_line_error(capsys.readouterr().err) == (
+        f"muoneq: {sweep}: study={'s' * 40}… is 300 bytes, and a folder name holds at most 255; "
+        "choose a shorter study name")
+    assert not runs.exists()
 
 
 @pytest.mark.parametrize("what", ["sweep file", "journal", "a run's metrics.json",
@@ -331,6 +350,26 @@ def test_a_run_that_found_the_disk_full_stops_the_sweep_at_once(tmp_path, capsys
     trial = optuna.load_study(study_name="tiny",
                               storage=open_storage(None, runs / "tiny")).get_trials()[0]
     assert trial.user_attrs["outcome"] == "disk_full"  # not a failure: no retry used up
+@pytest.mark.parametrize("free", [0, 8192], ids=["creating-the-study", "mid-sweep"])
+def test_a_real_full_disk_under_the_journal_stops_the_sweep_with_one_line_naming_it(tmp_path,
+                                                                                  free):
+    """A journal on a disk of its own (--storage journal:…, here a real tmpfs) that fills up
+    used to be a traceback while the study was created, and mid-sweep a line naming the runs
+    folder's disk, with its free space, instead of the journal's."""
+    sweep = write_sweep(tmp_path / "s.yaml", seeds=[0, 1])
+    disk = tmp_path / "journal"
+    disk.mkdir()
+    command = shlex.join([sys.executable, "-m", "muoneq", "sweep", str(sweep), "--runs-dir",
+                          str(tmp_path / "runs"), "--storage", f"journal:{disk}/optuna.journal",
+                          "--poll", "0.2"])
+    done = small_disk.run(disk, f'{command}; echo "status $?"', free=free, env=clean_env())
+    assert done.stdout.splitlines()[-1] == "status 4", done.stdout + done.stderr
+    assert one_line_error(done.stderr) == (
+        f"muoneq: no space left on the disk holding {disk / 'optuna.journal'} (0.00 GiB free); "
+        "free space there (old runs, checkpoints) or write to a larger disk; then run the same "
+        "sweep command to continue")
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` still runs the objective program, spawned or forked by a warm
     server (a pid that was reaped may be reused by an unrelated process)."""

@@ -280,29 +280,36 @@ def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatc
 NOW = datetime.datetime(2026, 11, 26, 12, 0, 0)
 
 
-def trial(started_s_ago: float, took_s: float | None = None) -> FrozenTrial:
+def trial(started_s_ago: float, took_s: float | None = None, host: str = "here") -> FrozenTrial:
+    """A trial started ``started_s_ago`` seconds before NOW by a driver on ``host``."""
     start = NOW - datetime.timedelta(seconds=started_s_ago)
     done = took_s is not None
     return FrozenTrial(
         number=0, trial_id=0, state=TrialState.COMPLETE if done else TrialState.RUNNING,
         value=1.0 if done else None, datetime_start=start,
         datetime_complete=start + datetime.timedelta(seconds=took_s) if done else None,
-        params={}, distributions={}, user_attrs={}, system_attrs={}, intermediate_values={})
+        params={}, distributions={}, user_attrs={"host": host}, system_attrs={},
+        intermediate_values={})
 
 
 def test_the_remaining_time_is_the_hand_computed_one():
     finished = [trial(300, 10), trial(200, 20), trial(100, 30)]  # 20 s on average
     running = [trial(5), trial(50)]  # 15 s to go, and one slower than the average: 0
     # 6 left: 4 queued × 20 s + 15 s, at 2 workers: (80 + 15) / 2
-    eta = estimate(finished, running, left=6, workers=2, now=NOW)
+    eta = estimate(finished, running, left=6, workers=2, here="here", now=NOW)
     assert eta.seconds == pytest.approx(47.5)
     assert (eta.trial_s, eta.measured, eta.parallel) == (20, 3, 2)
     assert eta.describe() == ("about 48 s left (2 at a time; a trial took 20 s on average, "
                               "3 measured)")
     # more trials running than this driver's workers (another driver): they set the pace
-    assert estimate(finished, running, left=6, workers=1, now=NOW).parallel == 2
-    assert estimate([], running, left=6, workers=2, now=NOW) is None  # nothing measured yet
-    assert estimate(finished, [], left=0, workers=2, now=NOW) is None  # nothing left
+    assert estimate(finished, running, left=6, workers=1, here="here", now=NOW).parallel == 2
+    assert estimate([], running, left=6, workers=2, here="here", now=NOW) is None  # none yet
+    assert estimate(finished, [], left=0, workers=2, here="here", now=NOW) is None  # none left
+    # a trial of another machine whose clock is 3 h ahead of this one (or in another time zone)
+    # used to count as 3 h from its end: its start is never compared with this clock
+    elsewhere = [trial(-3 * 3600, host="node7"), trial(50)]
+    eta = estimate(finished, elsewhere, left=6, workers=2, here="here", now=NOW)
+    assert eta.seconds == pytest.approx((4 * 20 + 20 / 2 + 0) / 2)  # half of a trial to go
     assert [duration(s) for s in (44.6, 600, 5400, 12_000)] == ["45 s", "10 min", "1.5 h",
                                                                 "3.3 h"]
 

@@ -10,6 +10,7 @@ import errno
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -52,6 +53,24 @@ def reporting_full_disk(path: str | os.PathLike, then: str = "") -> Iterator[Non
         raise full_disk(path, then) from None
 
 
+@contextlib.contextmanager
+def full_disk_in_threads_said_once() -> Iterator[None]:
+    """While the block runs, a thread that dies of a full disk prints no traceback: the writer
+    threads that meet one (TensorBoard's event writer) hand their error to the thread that waits
+    on them, where :func:`reporting_full_disk` says it as one line."""
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in FULL_DISK):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
 def full_disk(path: str | os.PathLike, then: str = "") -> DiskFull:
     """The :class:`DiskFull` error for a write under ``path`` that found no space."""
     folder = Path(path)
@@ -76,7 +95,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
     :func:`reporting_full_disk`). ``open_args`` go to :func:`open`
     (``newline=""`` for :mod:`csv`)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_path(path)
     with reporting_full_disk(path, then):
         try:
             with open(tmp, mode, **open_args) as f:
@@ -89,6 +108,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, fsync: bool = False
                 _fsync_folder(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """The temporary file :func:`atomic_open` writes ``path`` through, in this process."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def _fsync_folder(folder: Path) -> None:

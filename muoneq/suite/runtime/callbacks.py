@@ -239,6 +239,13 @@ class Stop(Exception):
         self.step, self.what, self.checkpoint, self.signum = step, what, checkpoint, signum
 
 
+class StopNow(BaseException):
+    """Raised by :class:`Interruption` on a second Ctrl-C: stop at once, saving nothing. A
+    ``BaseException``, as ``KeyboardInterrupt`` is, so that no ``except Exception`` on the way
+    catches it; not a ``KeyboardInterrupt``, which Lightning ends with ``sys.exit(1)`` and a
+    message of its own (a stopped run would look failed, not interrupted)."""
+
+
 def _any_rank(trainer, flag: bool) -> bool:
     """Whether ``flag`` holds on any process (a collective: every rank calls it at the same
     point, so that all of them stop together)."""
@@ -317,7 +324,7 @@ class Interruption(_AtStepEnd):
     :meth:`after_training`), the evaluation runs to its end, the last step is saved and the run
     stops instead of writing ``metrics.json``. The processes decide together (at the end of every
     optimizer step, and once after the last one), so a signal that reaches one rank stops all of
-    them at the same step. A second Ctrl-C stops at once (Python's ``KeyboardInterrupt``).
+    them at the same step. A second Ctrl-C stops at once, saving nothing (:class:`StopNow`).
 
     The handlers are installed for the block of :meth:`installed` (``train``: the whole session).
     Lightning installs its own SIGTERM handler whenever ``fit``, ``validate`` or ``test`` begins
@@ -334,7 +341,7 @@ class Interruption(_AtStepEnd):
 
     def _handle(self, signum, frame) -> None:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            raise StopNow  # the second Ctrl-C
         self.signum = signum
 
     def _take_over(self) -> None:

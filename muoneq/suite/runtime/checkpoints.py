@@ -41,7 +41,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from muoneq.suite.errors import UserError
-from muoneq.suite.files import NO_ACCESS, atomic_open, reporting_full_disk
+from muoneq.suite.files import NO_ACCESS, atomic_open, reporting_full_disk, temporary_path
+from muoneq.suite.runtime.written import Written
 
 #: Files of a run folder's ``checkpoints/``.
 CHECKPOINT_DIR = "checkpoints"
@@ -51,10 +52,13 @@ BEST_NAME = "best"
 CHECKSUM_SUFFIX = ".sha256"
 DAMAGED_SUFFIX = ".damaged"
 _LAST = re.compile(re.escape(LAST_PREFIX) + r"(\d+)\.ckpt")
-#: A line of a ``.sha256`` file (``sha256sum``'s format).
-_SUM_LINE = re.compile(r"([0-9a-f]{64})  (\S.*)")
+#: A line of a ``.sha256`` file (``sha256sum``'s format: text mode ``<hash>  <name>``, binary
+#: mode ``<hash> *<name>``, as ``sha256sum -b`` writes it).
+_SUM_LINE = re.compile(r"([0-9a-f]{64}) [ *](\S.*)")
 
 
+#: What a run stopped by a full disk says to do once there is room.
+FULL_DISK_THEN = "then continue the run with resume=auto"
 #: The key of a checkpoint holding its :class:`RunStamp`.
 STAMP_KEY = "muoneq_run"
 #: The file of a distributed checkpoint (a folder) that holds everything but the tensors
@@ -247,14 +251,21 @@ def set_aside(path: Path) -> Path:
 
 class _HashingWriter:
     """A binary file that also hashes what is written to it (``torch.save`` writes its zip
-    archive front to back, so the digest is the file's)."""
+    archive front to back, so the digest is the file's), and keeps the first error of the file
+    (:attr:`error`): torch's zip writer, cleaning up after it, tries to finish the archive and
+    raises its own ``RuntimeError`` ("unexpected pos") in its place."""
 
     def __init__(self, file) -> None:
         self.file, self.digest = file, hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -262,18 +273,41 @@ class _HashingWriter:
 
 class ChecksummedCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` writing in place with checksums, and reading with
-    one-line errors (module docstring)."""
+    one-line errors (module docstring). With ``written`` (a run's list,
+    :mod:`muoneq.suite.runtime.written`), every file it writes in the run's ``checkpoints/`` is
+    listed there first."""
+
+    def __init__(self, written: Written | None = None) -> None:
+        super().__init__()
+        self.written = written
+
+    def record(self, path: Path) -> None:
+        """List the checkpoint ``path`` (a file, or a distributed checkpoint's folder), its
+        checksums and their temporary files in the run's list, when it goes to the run's
+        ``checkpoints/``."""
+        folder = None if self.written is None else self.written.run_dir / CHECKPOINT_DIR
+        if folder is None or Path(path).parent.resolve() != folder.resolve():
+            return
+        sums = checksum_path(Path(path))
+        self.written.record(CHECKPOINT_DIR, *(p.name for p in (
+            path, temporary_path(path), sums, temporary_path(sums))))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError("storage_options are not supported by ChecksummedCheckpointIO")
         path = Path(path)
-        then = "then continue the run with resume=auto"
+        self.record(path)
+        then = FULL_DISK_THEN
         with reporting_full_disk(path, then):
             path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(path, "wb", fsync=True, then=then) as f:
             writer = _HashingWriter(f)
-            torch.save(checkpoint, writer)
+            try:
+                torch.save(checkpoint, writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None  # a full disk, said as one (atomic_open)
             # the checksums first: a checkpoint never exists without them
             _write_checksums(path, {path.name: writer.digest.hexdigest()})
 
@@ -298,15 +332,19 @@ class ChecksummedCheckpointIO(TorchCheckpointIO):
 class BestCheckpoint(ModelCheckpoint):
     """``best.ckpt``: Lightning's ``ModelCheckpoint`` on the run's ``monitor``, the one best
     checkpoint; ``write=False`` (``trainer.save_best=false``) keeps every bit of its bookkeeping
-    (the best score, what a resumed run restores) and writes no file."""
+    (the best score, what a resumed run restores) and writes no file. A ``best.ckpt`` that an
+    earlier session of the run wrote (``written``: the run's list) is removed, with a note, as
+    soon as a better validation comes in such a session: the file would name weights that are
+    no longer the best."""
 
-    def __init__(self, dirpath: Path, monitor: str, mode: str, write: bool = True) -> None:
+    def __init__(self, dirpath: Path, monitor: str, mode: str, write: bool = True,
+                 written: Written | None = None) -> None:
         super().__init__(
             dirpath=dirpath, filename=BEST_NAME, monitor=monitor, mode=mode, save_top_k=1,
             auto_insert_metric_name=False, save_on_train_epoch_end=False,
             enable_version_counter=False,
         )
-        self.write = write
+        self.write, self.written = write, written
 
     @property
     def state_key(self) -> str:
@@ -315,12 +353,26 @@ class BestCheckpoint(ModelCheckpoint):
         return ModelCheckpoint.__qualname__ + super().state_key.removeprefix(
             type(self).__qualname__)
 
+    def save_best(self, trainer, filepath: str) -> None:
+        """Save (or, with ``write=False``, record) the current weights as the best."""
+        self._save_checkpoint(trainer, filepath)
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if self.write:
             super()._save_checkpoint(trainer, filepath)
-        else:  # what ModelCheckpoint records after a save, without the file
-            self._last_global_step_saved = trainer.global_step
-            self._last_checkpoint_saved = filepath
+            return
+        # what ModelCheckpoint records after a save, without the file
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        path = Path(filepath)
+        stale = trainer.is_global_zero and path.exists() and (
+            self.written is None or self.written.wrote(CHECKPOINT_DIR, path.name))
+        if trainer.strategy.broadcast(stale):
+            trainer.strategy.remove_checkpoint(path)
+            if trainer.is_global_zero:
+                print(f"muoneq: note: {path} removed: it held an earlier best of the run, and "
+                      f"{self.monitor} is better at step {trainer.global_step}, which "
+                      "trainer.save_best=false does not save")
 
 
 class LastCheckpoint(ModelCheckpoint):

@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from muoneq.newton_schulz import canonical_backend, resolve_dtype
 from muoneq.registry import OPTIMIZERS, build_optimizer
 from muoneq.routing import describe_routing, param_groups
 
@@ -157,15 +158,44 @@ def build_optimizer_from_config(model: nn.Module, cfg: DictConfig | dict) -> tor
     return build_optimizer(name, [{"params": list(model.parameters()), "name": name}], **hparams)
 
 
+def _triton(cfg: DictConfig | dict) -> bool:
+    try:
+        return canonical_backend(cfg.get("ns_backend", "torch")) == "triton"
+    except ValueError:
+        return False  # said by the optimizer, which names the allowed values
+
+
 def check_optimizer_config(cfg: DictConfig) -> None:
     """Build the optimizer once on a tiny model so that a bad value fails before any data
-    is loaded. Raises ``ValueError`` with the optimizer's own message (which names the key)."""
+    is loaded. Raises ``ValueError`` with the optimizer's own message (which names the key).
+    The tiny model lives on the CPU, so ``ns_backend="triton"``, whose kernels need the run's
+    device, is built as ``"torch"`` here and checked by :func:`check_ns_backend`."""
     probe = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    built = {**{key: cfg[key] for key in cfg}, "ns_backend": "torch"} if _triton(cfg) else cfg
     try:
-        build_optimizer_from_config(probe, cfg)
+        build_optimizer_from_config(probe, built)
     except (ValueError, TypeError) as err:
         message = str(err)
         key = message.split(":", 1)[0]
         if key in cfg:
             raise ValueError(f"optimizer.{message}") from None
         raise ValueError(f"optimizer ({cfg['name']}): {message}") from None
+
+
+def check_ns_backend(cfg: DictConfig, device: torch.device) -> None:
+    """``ns_backend="triton"`` on the run's ``device``: its kernels need triton, a CUDA GPU (or
+    Triton's interpreter) and a Newton–Schulz dtype they take. Raises ``ValueError`` naming the
+    key (:func:`muoneq.suite.runtime.trainer.build_trainer`: before the run folder is written,
+    instead of the optimizer's error in the middle of ``fit``)."""
+    if not _triton(cfg):
+        return
+    try:
+        from muoneq import ns_triton
+
+        ns_triton.check_tensor(torch.empty(0, device=device, dtype=resolve_dtype(
+            cfg.get("ns_dtype", "auto"), device)))
+    except ImportError:
+        raise ValueError("optimizer.ns_backend=triton: triton is not installed (pip install "
+                         "triton); or use optimizer.ns_backend=torch") from None
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"optimizer.{err}; or use optimizer.ns_backend=torch") from None

@@ -42,6 +42,9 @@ RECORD_KEYS = ("provenance",)
 BUDGET_KEYS = ("trainer.max_steps", "trainer.max_epochs")
 #: Differing keys listed in a refusal (the rest are counted).
 MAX_SHOWN = 20
+#: The ``provenance`` key of a run every checkpoint of which carries its stamp
+#: (:class:`muoneq.suite.runtime.checkpoints.RunStamp`): a checkpoint without one is not its own.
+STAMPED = "stamped_checkpoints"
 
 
 class RunFolderError(UserError, RuntimeError):
@@ -212,7 +215,7 @@ def write_new(run_dir: Path, cfg: DictConfig, argv: list[str] | None, world_size
     """``config.yaml`` of a run that starts now (``auto``: what ``auto`` values resolved to)."""
     config = resolved(cfg)
     provenance = {**session(argv, auto), "fingerprint": config_fingerprint(config),
-                  "world_size": world_size, "resumed": []}
+                  "world_size": world_size, STAMPED: True, "resumed": []}
     _write(run_dir, {**config, "provenance": provenance})
 
 

@@ -13,6 +13,8 @@ A run folder (``run.dir``, default ``runs/<run.name>``) holds::
                       (its "status")
     .run.lock         held by the run's one writer while it runs
                       (:mod:`muoneq.suite.runtime.run_folder`)
+    .written          what the run wrote in checkpoints/ and tensorboard/, the only files it
+                      ever removes there (:mod:`muoneq.suite.runtime.written`)
 
 A sweep driver may treat the presence of ``metrics.json`` as the end of the run, and its
 ``status`` as how it ended.
@@ -32,6 +34,7 @@ from typing import NamedTuple, NoReturn
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -41,16 +44,22 @@ import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite import code_version
 from muoneq.suite.errors import Diverged, Interrupted
-from muoneq.suite.files import atomic_write, reporting_full_disk
+from muoneq.suite.files import atomic_write, full_disk_in_threads_said_once, reporting_full_disk
 from muoneq.suite.runtime import checkpoints, record, run_folder
-from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop
-from muoneq.suite.runtime.checkpoints import BEST_NAME, CHECKPOINT_DIR, BestCheckpoint
+from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop, StopNow
+from muoneq.suite.runtime.checkpoints import (
+    BEST_NAME,
+    CHECKPOINT_DIR,
+    FULL_DISK_THEN,
+    BestCheckpoint,
+)
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
-from muoneq.suite.runtime.module import compiles
+from muoneq.suite.runtime.module import ROUTING_FILE, compiles
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
-from muoneq.suite.runtime.trainer import build_trainer, check_accelerator
+from muoneq.suite.runtime.trainer import build_trainer, check_accelerator, lightning_config_error
+from muoneq.suite.runtime.written import Written
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "RunFolderError", "find_resume_checkpoint", "train"]
 
@@ -146,9 +155,8 @@ def _keep_best(trainer: L.Trainer, best_cb: BestCheckpoint, score: float | None,
     # rank 0 decides for all: saving is a collective under DDP/FSDP
     if trainer.strategy.broadcast(improves):
         path = str(Path(best_cb.dirpath) / f"{BEST_NAME}{best_cb.FILE_EXTENSION}")
-        if best_cb.write:
-            trainer.save_checkpoint(path)
         best_cb.best_model_score, best_cb.best_model_path = torch.tensor(score), path
+        best_cb.save_best(trainer, path)
 
 
 def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> dict:
@@ -182,7 +190,8 @@ def train(cfg: DictConfig, *, callbacks=(), argv: list[str] | None = None) -> di
     # one writer per run folder: rank 0 holds it for every process of its run
     writer = run_folder.hold(run_dir, argv) if rank_zero_only.rank == 0 else (
         contextlib.nullcontext())
-    with writer:
+    # a full disk anywhere in the run is one line (the writes that know their file name it)
+    with reporting_full_disk(run_dir, FULL_DISK_THEN), full_disk_in_threads_said_once(), writer:
         for note in notes if rank_zero_only.rank == 0 else ():
             print(note)
         return _train(cfg, run_dir, callbacks, argv, started)
@@ -216,10 +225,16 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
         _open_session(trainer, cfg, module, run_dir, start, argv)
 
     interruption = _callback(trainer, Interruption)
-    with interruption.installed():  # until metrics.json is written: a signal is never lost
-        figures = _session(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv,
-                           started)
-        return _write_metrics(trainer, cfg, module, run_dir, started, figures)
+    try:
+        with interruption.installed():  # until metrics.json is written: a signal is never lost
+            figures = _session(trainer, cfg, module, datamodule, run_dir, start.checkpoint, argv,
+                               started)
+            return _write_metrics(trainer, cfg, module, run_dir, started, figures)
+    except StopNow:
+        raise Interrupted(
+            f"training of {run_dir} stopped at once by a second SIGINT (Ctrl-C) at step "
+            f"{trainer.global_step}, {_UNSAVED}: {continue_command(argv)}",
+            exit_code=128 + signal.SIGINT) from None
 
 
 class _Start(NamedTuple):
@@ -237,12 +252,15 @@ def _check_ours(run_dir: Path) -> dict | None:
     """The run folder's ``config.yaml`` record (None: a new run); :class:`RunFolderError` for a
     folder that holds what ``muoneq train`` writes but is not a run folder of it. Reads only."""
     previous = record.read_record(run_dir)
-    if previous is None and not (run_dir / METRICS_FILE).is_file() and (
-            checkpoints.last_checkpoints(run_dir) or (run_dir / TENSORBOARD_DIR).is_dir()):
-        raise RunFolderError(
-            f"{run_dir} holds {TENSORBOARD_DIR}/ or {CHECKPOINT_DIR}/ but no {CONFIG_FILE}, so it "
-            "is not a run folder of muoneq train and is left alone; choose another run.dir or "
-            "run.name")
+    if previous is None and not (run_dir / METRICS_FILE).is_file():
+        made = [what for what, there in (
+            (f"{CHECKPOINT_DIR}/", bool(checkpoints.last_checkpoints(run_dir))),
+            (f"{TENSORBOARD_DIR}/", (run_dir / TENSORBOARD_DIR).is_dir()),
+            (ROUTING_FILE, (run_dir / ROUTING_FILE).exists())) if there]
+        if made:  # a run would write over them
+            raise RunFolderError(
+                f"{run_dir} holds {' and '.join(made)} but no {CONFIG_FILE}, so it is not a run "
+                "folder of muoneq train and is left alone; choose another run.dir or run.name")
     return previous
 
 
@@ -292,7 +310,12 @@ def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | Non
             f"{path} holds step {step}, not the step {named} its name says (a checkpoint "
             f"renamed or copied in); {how}")
     if stamp is None:
-        return  # saved before checkpoints were stamped
+        if start.previous["provenance"].get(record.STAMPED):
+            raise checkpoints.CheckpointError(
+                f"{path} carries no stamp of its run, and every checkpoint this run saves has "
+                f"one ({CONFIG_FILE} says {record.STAMPED}: true): another run saved it, or a "
+                f"version of muoneq that stamped none, and it was copied in; {how}")
+        return  # a run started before checkpoints were stamped
     fingerprint = start.previous["provenance"]["fingerprint"]
     if stamp.get("fingerprint") != fingerprint:
         raise checkpoints.CheckpointError(
@@ -323,10 +346,10 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
         print(f"muoneq: note: {path} is damaged ({reason}); it is kept as {kept.name} and "
               f"{then}")
     run_folder.remove_partial_writes(run_dir)  # of a killed session's last writes
+    if start.checkpoint is None and start.previous is not None:
+        run_folder.clear_attempt(run_dir)
+    Written(run_dir).record(TENSORBOARD_DIR, trainer.logger.events)  # before it writes any
     if start.checkpoint is None:
-        if start.previous is not None:
-            run_folder.clear_attempt(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
     else:
         record.add_session(run_dir, start.previous, cfg, argv, start.checkpoint, auto)
@@ -355,13 +378,18 @@ def _session(trainer: L.Trainer, cfg: DictConfig, module, datamodule, run_dir: P
             f"training of {run_dir} {stop.what} after step {stop.step}, saved as "
             f"{CHECKPOINT_DIR}/{stop.checkpoint.name}; continue it with: "
             f"{continue_command(argv)}", exit_code=128 + stop.signum) from None
+    except MisconfigurationException as err:  # what Lightning checks once it has the data
+        raise lightning_config_error(err, "fix that trainer setting") from None
     except SIGTERMException:  # Lightning's handler saw it first (before training began)
         raise Interrupted(
-            f"training of {run_dir} stopped by SIGTERM at step {trainer.global_step}, before the "
-            f"step could be saved; continue it from its last checkpoint with: "
-            f"{continue_command(argv)}", exit_code=128 + signal.SIGTERM) from None
+            f"training of {run_dir} stopped by SIGTERM at step {trainer.global_step}, "
+            f"{_UNSAVED}: {continue_command(argv)}", exit_code=128 + signal.SIGTERM) from None
     return {"status": "finished", "best": best, "final": final,
             **{k: v for k, v in fit_metrics.items() if not k.startswith("test/")}, **tests}
+
+
+#: What an interruption that could not save its step says.
+_UNSAVED = "before the step could be saved; continue it from its last checkpoint with"
 
 
 def _scores(trainer: L.Trainer, module, datamodule) -> tuple[dict, float | None, float | None]:

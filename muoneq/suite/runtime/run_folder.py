@@ -2,8 +2,10 @@
 
 * **One writer** (:func:`hold`). A run holds an exclusive ``flock`` on ``<run dir>/.run.lock``
   for its whole life (rank 0 of a distributed run: the other processes are its own), with who
-  holds it written inside (process, host, start, command). A second ``muoneq train`` on the same
-  folder is refused before it reads or writes anything there, with one line naming the holder.
+  holds it written inside (process, host, start, command), and one on ``.run.lock`` in each
+  folder its ``checkpoints/`` or ``tensorboard/`` link leads to (where its files really go). A
+  second ``muoneq train`` on the same folder, or linking to one such folder, is refused before it
+  reads or writes anything there, with one line naming the holder.
   The kernel releases the lock of a process that ends, however it ends (a SIGKILL, a node that
   reboots), so a lock file a dead run left behind is taken over by the next one, with a note
   naming the dead holder. It is the kind of lock a sweep's trial holds (``.trial.lock``,
@@ -17,10 +19,12 @@
   ``run.root``: a run folder there that is a link to elsewhere is refused (``run.dir=`` names the
   folder to write through it). Links the user made for writing (``run.dir`` itself, or
   ``checkpoints/`` on a scratch disk) are followed, and a note says where the files go.
-* **Cleaning** (:func:`clear_attempt`, :func:`remove_partial_writes`). Only files the project
-  wrote are ever removed, by their names (``last-step<N>.ckpt``, ``best.ckpt``, their
-  ``.sha256``, TensorBoard's event files, the temporary files of cut writes), never by listing a
-  folder wholesale, and a link is removed as a link, never its target's contents.
+* **Cleaning** (:func:`clear_attempt`, :func:`remove_partial_writes`). Only the files this run
+  listed as it wrote them are ever removed (:mod:`muoneq.suite.runtime.written`: its
+  checkpoints, their ``.sha256``, its TensorBoard event files, the temporary files of its cut
+  writes), never a folder's contents wholesale, never a file named like them that the run did
+  not write, and a link is removed as a link. A run folder made before the list existed is
+  cleaned by those names, in its own folders only (never in a link's target).
 """
 
 from __future__ import annotations
@@ -41,14 +45,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from muoneq.suite.files import reporting_full_disk
 from muoneq.suite.runtime.checkpoints import CHECKPOINT_DIR, DAMAGED_SUFFIX
 from muoneq.suite.runtime.record import RunFolderError
 from muoneq.suite.runtime.trainer import TENSORBOARD_DIR
+from muoneq.suite.runtime.written import Written
 
 LOCK_NAME = ".run.lock"
 #: What a run writes in ``checkpoints/`` (a temporary file of a cut write: ``.<name>.<pid>.tmp``,
 #: :func:`muoneq.suite.files.atomic_open`).
-CHECKPOINT_FILES = re.compile(r"(last-step\d+|best)\.ckpt(\.sha256)?|\..+\.tmp")
+CHECKPOINT_FILES = re.compile(
+    r"(last-step\d+|best)\.ckpt(\.sha256)?|\.(last-step\d+|best)\.ckpt(\.sha256)?\.\d+\.tmp")
 #: What a run writes in ``tensorboard/`` (Lightning's TensorBoard logger, the spectral monitor).
 TENSORBOARD_FILES = re.compile(r"events\.out\.tfevents\..+|hparams\.yaml|spectra\.csv")
 #: The temporary files of a cut write of the run folder's own files (``config.yaml``,
@@ -87,9 +94,9 @@ def _make_folders(folder: Path) -> list[Path]:
     return made
 
 
-def _open_locked(path: Path) -> int:
+def _open_locked(path: Path, link: Path | None = None) -> int:
     """The lock file ``path`` open and locked (an ``fd``); :class:`RunFolderError` naming the
-    holder when a live process holds it."""
+    holder when a live process holds it (``link``: the run's link that leads to its folder)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -97,6 +104,12 @@ def _open_locked(path: Path) -> int:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
+            if link is not None:
+                raise RunFolderError(
+                    f"{link.resolve()}, where {link} leads, is being written by "
+                    f"{describe_holder(holder)}, and runs that wrote one folder at once would mix "
+                    f"their files; link {link.name}/ to a folder of its own, or wait for that run "
+                    "to end (or stop it)") from None
             raise RunFolderError(
                 f"{path.parent} is being written by {describe_holder(holder)}, and a run folder "
                 "has one writer; wait for that run to end (or stop it), or start this one in "
@@ -111,32 +124,45 @@ def _open_locked(path: Path) -> int:
         os.close(fd)
 
 
+def _linked_folders(run_dir: Path) -> list[Path]:
+    """The run's ``checkpoints/`` and ``tensorboard/`` that are links to folders outside the run
+    folder (where its files really go), one per folder they lead to."""
+    own, found = run_dir.resolve(), {}
+    for path in (run_dir / CHECKPOINT_DIR, run_dir / TENSORBOARD_DIR):
+        target = path.resolve()
+        if path.is_symlink() and target != own and own not in target.parents:
+            found.setdefault(target, path)
+    return list(found.values())
+
+
 @contextlib.contextmanager
 def hold(run_dir: Path, argv: list[str] | None) -> Iterator[None]:
-    """Be the one writer of ``run_dir`` while the block runs (module docstring): the folder is
-    made if needed (and removed again, when it is left empty, with the folders made for it)."""
+    """Be the one writer of ``run_dir``, and of the folders its links lead to, while the block
+    runs (module docstring): the folder is made if needed (and removed again, when it is left
+    empty, with the folders made for it)."""
     run_dir = Path(run_dir)
     made = _make_folders(run_dir)
-    path = run_dir / LOCK_NAME
+    held: list[tuple[Path, int]] = []
     try:
-        fd = _open_locked(path)
-    except BaseException:
-        _remove_empty(made)
-        raise
-    try:
-        left = _read_holder(fd)
-        if left is not None:
-            print(f"muoneq: note: {path} was left by {describe_holder(left)}, which ended "
-                  "without releasing it (killed?); this run takes it over")
+        held.append((run_dir / LOCK_NAME, _open_locked(run_dir / LOCK_NAME)))
+        for link in _linked_folders(run_dir):
+            held.append((link / LOCK_NAME, _open_locked(link / LOCK_NAME, link)))
         command = " ".join(["muoneq", "train", *argv]) if argv is not None else " ".join(sys.argv)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
               "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        for path, fd in held:
+            left = _read_holder(fd)
+            if left is not None:
+                print(f"muoneq: note: {path} was left by {describe_holder(left)}, which ended "
+                      "without releasing it (killed?); this run takes it over")
+            with reporting_full_disk(path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(me).encode(), 0)
         yield
     finally:
-        path.unlink(missing_ok=True)  # before the lock goes: the next run makes a new file
-        os.close(fd)
+        for path, fd in reversed(held):
+            path.unlink(missing_ok=True)  # before the lock goes: the next run makes a new file
+            os.close(fd)
         _remove_empty(made)
 
 
@@ -193,7 +219,7 @@ def check_paths(cfg: DictConfig, run_dir: Path) -> list[str]:
     for path in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / TENSORBOARD_DIR):
         if path.is_symlink():
             notes.append(f"muoneq: note: {path} is a symbolic link: the run writes to "
-                         f"{path.resolve()} (and removes there only files it wrote, by name)")
+                         f"{path.resolve()} (and removes there only the files it wrote)")
     return notes
 
 
@@ -207,38 +233,48 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _ours(folder: Path, names: re.Pattern) -> list[Path]:
-    """The entries of ``folder`` (a folder or a link to one) named as the project names its
-    files; nothing when it is not a folder."""
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if names.fullmatch(p.name))
+def _named_ours(run_dir: Path) -> list[Path]:
+    """What a run folder made before the list of written files existed holds of the project's
+    files, by their names (:data:`CHECKPOINT_FILES`, :data:`TENSORBOARD_FILES`), in its own
+    ``checkpoints/`` and ``tensorboard/`` only: never in a link's target, where others write."""
+    found = []
+    for folder, names in ((run_dir / CHECKPOINT_DIR, CHECKPOINT_FILES),
+                          (run_dir / TENSORBOARD_DIR, TENSORBOARD_FILES)):
+        if folder.is_dir() and not folder.is_symlink():
+            found += sorted(p for p in folder.iterdir() if names.fullmatch(p.name))
+    return found
+
+
+def _written(run_dir: Path) -> list[Path]:
+    """The files this run wrote in ``checkpoints/`` and ``tensorboard/`` that are still there
+    (:mod:`muoneq.suite.runtime.written`; by name in a run folder made before the list)."""
+    written = Written(run_dir)
+    return written.files() if written.exists() else _named_ours(run_dir)
 
 
 def clear_attempt(run_dir: Path) -> None:
     """Remove what an earlier attempt in this run folder wrote when it left no checkpoint to
     resume from (its curves would mix with this run's): its checkpoints and TensorBoard files,
-    by name (module docstring). Called only for a folder whose ``config.yaml`` is ours
-    (:func:`muoneq.suite.runtime.record.read_record`); checkpoints set aside as damaged are kept."""
+    exactly those it listed (module docstring). Called only for a folder whose ``config.yaml``
+    is ours (:func:`muoneq.suite.runtime.record.read_record`); checkpoints set aside as damaged
+    are kept."""
     tensorboard = run_dir / TENSORBOARD_DIR
-    made = [p for p in _ours(run_dir / CHECKPOINT_DIR, CHECKPOINT_FILES)
-            if not p.name.endswith(DAMAGED_SUFFIX)]
-    made += _ours(tensorboard, TENSORBOARD_FILES)
+    made = [p for p in _written(run_dir) if not p.name.endswith(DAMAGED_SUFFIX)]
     if made:
         print(f"muoneq: note: {run_dir} holds an earlier attempt that left no checkpoint to "
               "resume from; starting over (its checkpoints and TensorBoard files are removed)")
     for path in made:
         _remove(path)
+    Written(run_dir).forget()
     if tensorboard.is_dir() and not tensorboard.is_symlink() and not any(tensorboard.iterdir()):
         tensorboard.rmdir()
 
 
 def remove_partial_writes(run_dir: Path) -> list[Path]:
-    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp``, ours) from
-    the run folder and its ``checkpoints/``; return them."""
-    partial = [p for p in _ours(run_dir / CHECKPOINT_DIR, CHECKPOINT_FILES)
-               if p.name.endswith(".tmp")]
-    partial += _ours(run_dir, PARTIAL_WRITES)
+    """Delete the temporary files of writes a kill cut short (``.<name>.<pid>.tmp`` of a file
+    the run wrote) from the run folder and its ``checkpoints/``; return them."""
+    partial = [p for p in _written(run_dir) if p.name.endswith(".tmp")]
+    partial += sorted(p for p in run_dir.iterdir() if PARTIAL_WRITES.fullmatch(p.name))
     for path in partial:
         _remove(path)
     return partial

@@ -17,6 +17,7 @@ Multi-node runs need nothing more than ``trainer.num_nodes``: Lightning detects 
 from __future__ import annotations
 
 import logging
+import secrets
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from muoneq.suite.files import reporting_full_disk
 from muoneq.suite.runtime.accelerators import NPU_BACKEND, NPUAccelerator, torch_npu
 from muoneq.suite.runtime.callbacks import (
     Divergence,
@@ -42,6 +44,7 @@ from muoneq.suite.runtime.callbacks import (
 )
 from muoneq.suite.runtime.checkpoints import (
     CHECKPOINT_DIR,
+    FULL_DISK_THEN,
     BestCheckpoint,
     ChecksummedCheckpointIO,
     LastCheckpoint,
@@ -55,6 +58,8 @@ from muoneq.suite.runtime.config import (
     StrategyName,
 )
 from muoneq.suite.runtime.metrics import TENSORBOARD_DIR
+from muoneq.suite.runtime.optim import check_ns_backend
+from muoneq.suite.runtime.written import Written
 
 # Lightning advertises a hosted logger on every Trainer construction; runs log to TensorBoard.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
@@ -81,8 +86,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """A distributed checkpoint (a folder) gets its checksums once every rank's file and
         the metadata are written (:mod:`muoneq.suite.runtime.checkpoints`)."""
-        super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(filepath)
+        if self.global_rank == 0 and isinstance(self.checkpoint_io, ChecksummedCheckpointIO):
+            self.checkpoint_io.record(path)  # listed before it is written (every rank writes)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
         if self._save_distributed_checkpoint:
             self.barrier("checksums")
             if self.global_rank == 0:
@@ -95,18 +102,40 @@ class GlobalStepLogger(TensorBoardLogger):
     used it: the training loss and the lr of the k-th optimizer step are logged at k, a
     validation after k steps at k. While fitting, Lightning passes the index of the batch that
     steps (k − 1, ``_batches_that_stepped``), and after fitting (``validate``, ``test``) the
-    global step itself; this logger adds the one while the fit loop runs."""
+    global step itself; this logger adds the one while the fit loop runs.
+
+    Its event files end in a suffix of this session's own (:attr:`events`: their names, for the
+    run's list of what it wrote, :mod:`muoneq.suite.runtime.written`), and a full disk while it
+    creates or writes them names its folder (:class:`~muoneq.suite.errors.DiskFull`)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        self.session = secrets.token_hex(4)
+        super().__init__(*args, filename_suffix=f".{self.session}", **kwargs)
         self.trainer: L.Trainer | None = None
+
+    @property
+    def events(self) -> str:
+        """The names of this session's event files (a pattern: the writer picks the rest)."""
+        return f"events.out.tfevents.*.{self.session}"
+
+    @property
+    def experiment(self):
+        with reporting_full_disk(self.log_dir, FULL_DISK_THEN):
+            return super().experiment
 
     @rank_zero_only
     def log_metrics(self, metrics, step=None) -> None:
         t = self.trainer
         fitting = t is not None and t.state.fn == TrainerFn.FITTING and (
             t.state.status == TrainerStatus.RUNNING)
-        super().log_metrics(metrics, step + 1 if fitting and step is not None else step)
+        with reporting_full_disk(self.log_dir, FULL_DISK_THEN):
+            super().log_metrics(metrics, step + 1 if fitting and step is not None else step)
+
+
+def lightning_config_error(err: Exception, fix: str) -> ConfigError:
+    """Lightning's error for settings it rejects, as one line: its first line, then ``fix``."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ConfigError(f"trainer: {first.rstrip('.')}; {fix}")
 
 
 def check_accelerator(t: DictConfig) -> None:
@@ -173,7 +202,8 @@ def build_trainer(
     validation set (e.g. CIFAR-10 without ``task.data.val_size``); no validation runs and no
     ``best.ckpt`` is kept. A NaN/inf loss or validation metric stops the run
     (:class:`~muoneq.suite.runtime.callbacks.Divergence`). Settings Lightning rejects (e.g. more
-    devices than the machine has) raise :class:`ConfigError`.
+    devices than the machine has), and an ``optimizer.ns_backend`` the run's device cannot run
+    (:func:`~muoneq.suite.runtime.optim.check_ns_backend`), raise :class:`ConfigError`.
     """
     t = cfg.trainer
     check_accelerator(t)
@@ -187,8 +217,9 @@ def build_trainer(
 
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     last = LastCheckpoint(ckpt_dir, t.checkpoint_every_n_steps)
+    written = Written(run_dir)
     best = [] if monitor is None else [BestCheckpoint(ckpt_dir, monitor, monitor_mode,
-                                                      write=t.save_best)]
+                                                      write=t.save_best, written=written)]
     progress = t.progress
     if progress is ProgressMode.auto:
         progress = ProgressMode.bar if sys.stdout.isatty() else ProgressMode.log
@@ -208,7 +239,7 @@ def build_trainer(
             devices=devices,
             strategy=strategy,
             precision=precision,
-            plugins=[*plugins, ChecksummedCheckpointIO()],
+            plugins=[*plugins, ChecksummedCheckpointIO(written)],
             limit_val_batches=0 if monitor is None else t.limit_val_batches,
             default_root_dir=run_dir,
             logger=logger,
@@ -228,10 +259,13 @@ def build_trainer(
             environment.validate_settings(trainer.num_devices, trainer.num_nodes)
     except (MisconfigurationException, ValueError) as err:
         # e.g. more devices than this machine has, or trainer.devices ≠ SLURM's ntasks-per-node
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"trainer: {first}; check trainer.accelerator ({t.accelerator.value}), "
-            f"trainer.devices ({t.devices}), trainer.num_nodes ({t.num_nodes}) and "
-            f"trainer.strategy ({t.strategy.value}) against this machine") from None
+        raise lightning_config_error(
+            err, f"check trainer.accelerator ({t.accelerator.value}), trainer.devices "
+                 f"({t.devices}), trainer.num_nodes ({t.num_nodes}) and trainer.strategy "
+                 f"({t.strategy.value}) against this machine") from None
+    try:  # the device is known once the strategy is
+        check_ns_backend(cfg.optimizer, trainer.strategy.root_device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     logger.trainer = trainer
     return trainer

@@ -58,6 +58,7 @@ from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
 from muoneq.suite.sweeps.spec import Launch, SweepError, SweepSpec
+from muoneq.suite.sweeps.storage import FULL_DISK_THEN
 from muoneq.suite.sweeps.study import open_study
 from muoneq.suite.sweeps.tensorboard_view import StudyView
 from muoneq.suite.sweeps.validate import point_check, preflight
@@ -148,7 +149,7 @@ class Driver:
         except OSError as err:
             if isinstance(err, DiskFull) or err.errno in FULL_DISK:
                 self.failure = err if isinstance(err, DiskFull) else full_disk(
-                    err.filename or self.study_dir, "then run the same sweep command to continue")
+                    err.filename or self.study_dir, FULL_DISK_THEN)
             elif err.errno in NO_ACCESS:
                 self.failure = no_access(err)
             else:

@@ -7,6 +7,10 @@ running now if more) and ``w`` the trials left to finish of which ``r`` are runn
 
     remaining = ((w − r) · t + Σ_i max(t − e_i, 0)) / p
 
+A running trial's ``e_i`` is known only on the machine that started it: its start is a time on
+that machine's clock (and in its time zone), never compared with this one's. A trial running on
+another machine counts as half done (``t − e_i = t / 2``).
+
 ``muoneq sweep``'s progress line (after every trial) and ``muoneq sweep --status`` say it.
 """
 
@@ -18,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial
+
+from muoneq.suite.sweeps.trial_record import TrialRecord
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,11 @@ def duration(seconds: float) -> str:
 
 
 def estimate(finished: Iterable[FrozenTrial], running: Iterable[FrozenTrial], left: int,
-             workers: int, now: datetime.datetime | None = None) -> Estimate | None:
+             workers: int, here: str, now: datetime.datetime | None = None) -> Estimate | None:
     """The remaining wall time of a study with ``left`` trials to finish (``running`` among
-    them) at ``workers`` at a time, from its ``finished`` trials (see the module docstring);
-    None before any trial has finished, or when none is left."""
+    them) at ``workers`` at a time, from its ``finished`` trials, on the machine ``here`` (its
+    host name; see the module docstring); None before any trial has finished, or when none is
+    left."""
     took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in finished
             if t.datetime_start is not None and t.datetime_complete is not None]
     if not took or left <= 0:
@@ -55,8 +62,13 @@ def estimate(finished: Iterable[FrozenTrial], running: Iterable[FrozenTrial], le
     mean = statistics.fmean(took)
     now = now or datetime.datetime.now()
     running = [t for t in running if t.datetime_start is not None]
-    in_progress = sum(max(mean - (now - t.datetime_start).total_seconds(), 0.0)
-                      for t in running[:left])
+
+    def to_go(t: FrozenTrial) -> float:
+        if TrialRecord.of(t).host not in (here, None):  # started on another machine's clock
+            return mean / 2
+        return max(mean - (now - t.datetime_start).total_seconds(), 0.0)
+
+    in_progress = sum(to_go(t) for t in running[:left])
     parallel = max(workers, len(running), 1)
     queued = max(left - len(running), 0)
     return Estimate((queued * mean + in_progress) / parallel, mean, len(took), parallel)
@@ -70,4 +82,4 @@ def study_estimate(ledger, workers: int):
     summary = ledger.summary(runs)
     finished = [t for state in runs.values() for t in state.done]
     running = [t for state in runs.values() for t in state.live]
-    return summary, estimate(finished, running, summary.pending, workers)
+    return summary, estimate(finished, running, summary.pending, workers, ledger.me.host)

@@ -30,6 +30,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from muoneq.suite.errors import UserError
 from muoneq.suite.folders import suite_folder
+from muoneq.suite.runtime.config.schema import MAX_NAME_BYTES
 from muoneq.suite.sweeps.report_spec import DIRECTIONS, ReportSpec, check_report
 
 #: The default trial command (the runtime's CLI). ``{overrides}`` expands to one token per
@@ -278,8 +279,13 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
         raise SweepError(f"{path}: {where}{problem}, so the file is not valid YAML; fix it "
                          "there (indentation, a missing ':' or an unclosed bracket or quote)"
                          ) from None
+    except OSError as err:  # OmegaConf's word for a document that is one value (7, true)
+        if err.errno is not None:
+            raise  # unreadable: said by the command
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     if not isinstance(raw, DictConfig):
         kind = type(raw).__name__.removesuffix("Config").lower()
+        kind = {"int": "number", "float": "number", "bool": "boolean"}.get(kind, kind)
         raise SweepError(f"{path}: the file holds a {kind} at its top level, and a sweep file is "
                          "a mapping of its fields (study:, grid: or search:, objective: …); see "
                          "sweeps/*.yaml")
@@ -384,6 +390,10 @@ def _check_study(spec: SweepSpec, source: str) -> None:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.study):
         raise SweepError(f"{source}: study={spec.study!r} must be a folder name "
                          "(letters, digits, '_', '.', '-')")
+    if len(spec.study.encode()) > MAX_NAME_BYTES:
+        raise SweepError(f"{source}: study={spec.study[:40]}… is {len(spec.study.encode())} "
+                         f"bytes, and a folder name holds at most {MAX_NAME_BYTES}; choose a "
+                         "shorter study name")
     _choice(spec.objective.direction, DIRECTIONS, "objective.direction", source)
     if bool(spec.grid) == (spec.search is not None):
         raise SweepError(f"{source}: give exactly one of 'grid' (GridSampler) and "

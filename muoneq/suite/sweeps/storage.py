@@ -30,7 +30,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from muoneq.suite.errors import UserError
-from muoneq.suite.files import atomic_open
+from muoneq.suite.files import atomic_open, reporting_full_disk
 
 JOURNAL_NAME = "optuna.journal"
 
@@ -132,6 +132,24 @@ def _drop_lines(path: Path, data: bytes, lines: list[bytes], bad: list[int]) -> 
           f"was is kept as {copy.name}", file=sys.stderr)
 
 
+#: What a sweep stopped by a full disk says to do once there is room.
+FULL_DISK_THEN = "then run the same sweep command to continue"
+
+
+class _JournalFile(JournalFileBackend):
+    """Optuna's journal file, whose full disk names the journal
+    (:class:`~muoneq.suite.errors.DiskFull`): Optuna's append raises the bare ``OSError`` of a
+    write, which names no file, and the journal may be on another disk than the runs."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+    def append_logs(self, logs: list[dict]) -> None:
+        with reporting_full_disk(self.path, FULL_DISK_THEN):
+            super().append_logs(logs)
+
+
 def default_journal(study_dir: Path) -> Path:
     return Path(study_dir) / JOURNAL_NAME
 
@@ -147,10 +165,11 @@ def open_storage(url: str | None, study_dir: Path) -> BaseStorage:
     """Open (creating when needed) the storage named by ``url`` (see the module docstring)."""
     if url is None or url.startswith("journal:"):
         path = default_journal(study_dir) if url is None else Path(url[len("journal:"):])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        repair_journal(path)
         try:
-            return JournalStorage(JournalFileBackend(str(path)))
+            with reporting_full_disk(path, FULL_DISK_THEN):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                repair_journal(path)
+                return JournalStorage(_JournalFile(path))
         except (KeyError, TypeError, ValueError, AssertionError) as err:  # a record Optuna
             raise JournalError(  # cannot apply, though it has a record's shape
                 f"{path}: Optuna cannot read its records ({type(err).__name__}: {err}); restore "

@@ -165,10 +165,11 @@ def validate(cfg: DictConfig) -> None:
         raise config_error(err, cfg, "config") from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if cfg.trainer.max_epochs is None and cfg.trainer.max_steps == -1:
+    if cfg.trainer.max_epochs in (None, -1) and cfg.trainer.max_steps == -1:
         raise ConfigError(
-            "trainer.max_epochs / trainer.max_steps: set at least one (the LR schedule needs a "
-            "budget)"
+            f"trainer.max_epochs={cfg.trainer.max_epochs} / trainer.max_steps=-1: set at least "
+            "one to a number of epochs or steps (-1 and null set none, and the LR schedule needs "
+            "a budget)"
         )
     try:
         check_optimizer_config(cfg.optimizer)
