@@ -34,12 +34,13 @@ MODES = ["none", "R", "C", "RC"]
 
 
 def stepped(shapes, steps: int = 2, **options) -> MuonEq:
-    """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps."""
+    """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps
+    (Newton–Schulz in float32, which ``"auto"`` is on CPUs without native bf16 products)."""
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", **options})
+    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", "ns_dtype": "float32", **options})
     for _ in range(steps):
         opt.step()
     return opt
@@ -247,7 +248,8 @@ def stepped_with(method: str, shapes, steps: int = 2):
     params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked")
+    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked",
+                          ns_dtype="float32")
     for _ in range(steps):
         opt.step()
     return opt

@@ -8,7 +8,7 @@ from torch import nn
 
 from muoneq import MuonEq, diag_pre
 from muoneq.newton_schulz import dtype_name, resolve_dtype
-from muoneq.optim import HybridOrthogonalOptimizer, NorMuon, executors
+from muoneq.optim import HybridOrthogonalOptimizer, executors
 
 MODES = ["none", "R", "C", "RC"]
 
@@ -108,24 +108,6 @@ def test_persistent_state_is_as_large_as_torch_muons():
         _, ours = run(lambda ps, mode=mode: MuonEq(ps, mode=mode), values, grads)
         _, theirs = run(lambda ps: torch.optim.Muon(ps), values, grads)
         assert state_bytes(ours) == state_bytes(theirs)
-
-
-def test_stateless_flag_is_dropped_by_subclasses_that_replace_the_direction():
-    class Scaled(MuonEq):
-        def _direction(self, p, m_tilde, state, group):
-            return 2 * super()._direction(p, m_tilde, state, group)
-
-    class StillStateless(MuonEq):
-        stateless_direction = True
-
-        def _direction(self, p, m_tilde, state, group):
-            return super()._direction(p, m_tilde, state, group)
-
-    assert MuonEq.stateless_direction
-    assert not HybridOrthogonalOptimizer.stateless_direction
-    assert not NorMuon.stateless_direction
-    assert not Scaled.stateless_direction
-    assert StillStateless.stateless_direction
 
 
 def test_a_stateful_subclass_gets_one_matrix_at_a_time_with_p_and_state():

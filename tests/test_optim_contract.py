@@ -16,7 +16,6 @@ with the same options, as :func:`muoneq.param_groups` routes a model).
 from __future__ import annotations
 
 import copy
-import inspect
 import io
 import pickle
 import warnings
@@ -34,6 +33,7 @@ from torch.optim.optimizer import (
 )
 
 from muoneq import OPTIMIZERS, build_optimizer
+from muoneq.optim import signature
 
 LR = 1e-2
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -335,7 +335,7 @@ TYPOS = [("momentun", "momentum"), ("betas", "adamw_betas"), ("compil", "compile
 @parametrize_ours
 def test_a_misspelled_keyword_gets_did_you_mean_over_every_accepted_name(case):
     weight = nn.Parameter(torch.randn(2, 2))
-    accepted = list(inspect.signature(type(case.make([weight]))).parameters)[1:]
+    accepted = list(signature(type(case.make([weight]))).parameters)[1:]
     checked = [(typo, meant) for typo, meant in TYPOS if meant in accepted]
     assert len(checked) >= 2
     for typo, meant in checked:
@@ -416,7 +416,7 @@ def test_sparse_gradients_raise_unless_supported(case):
 @pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable", "maximize"])
 def test_unsupported_torch_flags_raise(case, flag):
     weight, bias = weight_bias()
-    if flag in inspect.signature(type(case.make([weight]))).parameters:
+    if flag in signature(type(case.make([weight]))).parameters:
         pytest.skip(f"{flag} is supported (tests/test_capturable.py)")
     with pytest.raises(TypeError, match=flag):
         case.make([weight, bias], **{flag: True})

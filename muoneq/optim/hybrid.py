@@ -21,9 +21,9 @@ one foreach call) then :func:`muoneq.optim.engine.directions` one matrix at a ti
 every method orthogonalizing through the group's validated Newton–Schulz
 (:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
 
-A subclass writes its constructor with every argument (the shared ones default to
-:data:`DEFAULTS`, its own to the values written there), declares how its own hyper-parameters
-are checked (:class:`~muoneq.optim.base.Hyper`), overrides :meth:`_direction`, and
+A subclass writes its constructor with its own keywords (the shared ones come as
+``**shared: Unpack[Shared]``) and hands them on as ``dict(...)``, declares how its own
+hyper-parameters are checked (:class:`~muoneq.optim.base.Hyper`), overrides :meth:`_direction`, and
 :meth:`_init_matrix_state` when it keeps state beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
 the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
@@ -37,10 +37,9 @@ are :mod:`muoneq.optim.executors`' business. Every path gives the one-process re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -63,7 +62,7 @@ from muoneq.newton_schulz import (
 )
 from muoneq.optim import executors
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase, arguments
+from muoneq.optim.base import Hyper, OptimizerBase, refuse_unknown
 from muoneq.optim.checks import (
     betas,
     boolean,
@@ -94,31 +93,39 @@ from muoneq.optim.executors import row_shard_dim
 BATCHING = ("auto", "per_matrix", "stacked")
 
 
-@dataclasses.dataclass(frozen=True)
-class MatrixDefaults:
-    """The defaults of the arguments every matrix optimizer shares, each written once: every
-    constructor names them in its signature (``momentum: float = DEFAULTS.momentum``), so
-    ``help()``, IDEs and type checkers show each optimizer's whole signature. A method's own
-    default differs by being written there instead (Mousse's ``nesterov: bool = False``)."""
+class Shared(TypedDict, total=False):
+    """The keywords every matrix optimizer here takes, declared once: each constructor names
+    its own keywords and takes these as ``**shared: Unpack[Shared]`` (which IDEs and type
+    checkers read). Their meaning: :class:`muoneq.MuonEq`'s docstring; their defaults:
+    :data:`SHARED_DEFAULTS` (a method's own: its ``shared_defaults``)."""
 
-    lr: float = 1e-3
-    momentum: float = 0.95
-    nesterov: bool = True
-    weight_decay: float = 0.1
-    ns_steps: int = 5
-    ns_coefficients: Coefficients = "quintic"
-    ns_dtype: str | torch.dtype = "auto"
-    lr_adjust: str = "rms"
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    distributed: bool | str = "auto"
-    batching: str = "auto"
-    workspace_limit: int | None = None
-    ns_backend: Backend = "torch"
+    lr: float | Tensor
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    ns_steps: int
+    ns_coefficients: Coefficients
+    ns_dtype: str | torch.dtype
+    lr_adjust: str
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    distributed: bool | str
+    batching: str
+    workspace_limit: int | None
+    ns_backend: Backend
+    process_group: dist.ProcessGroup | None
 
 
-#: The shared defaults (:class:`MatrixDefaults`).
-DEFAULTS = MatrixDefaults()
+#: The defaults of :class:`Shared`.
+SHARED_DEFAULTS = Shared(
+    lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
+    ns_coefficients="quintic", ns_dtype="auto", lr_adjust="rms", adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8, distributed="auto", batching="auto", workspace_limit=None,
+    ns_backend="torch", process_group=None,
+)
+#: The keywords of :class:`Shared` that choose how, not what, is computed: options kept by the
+#: optimizer (and its copies), not param-group keys.
+OPTIONS = ("distributed", "batching", "workspace_limit", "ns_backend", "process_group")
 
 
 class HybridOrthogonalOptimizer(OptimizerBase):
@@ -167,44 +174,41 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "lr_adjust": Hyper(choice(*LR_ADJUST), when="use_muon"),
         "adamw_betas": Hyper(betas),
         "adamw_eps": Hyper(nonnegative),
-        "use_muon": Hyper(boolean, argument=False, default=True),
+        "use_muon": Hyper(boolean),
         # how the group's parameters are stored (muoneq.layout): group keys, not arguments
-        "transposed": Hyper(boolean, when="use_muon", argument=False, default=False),
-        "batch_dims": Hyper(integer(0), when="use_muon", argument=False, default=0),
-        "splits": Hyper(check_splits, when="use_muon", argument=False, default=None),
+        "transposed": Hyper(boolean, when="use_muon"),
+        "batch_dims": Hyper(integer(0), when="use_muon"),
+        "splits": Hyper(check_splits, when="use_muon"),
     }
     added_keys = {"transposed": False, "batch_dims": 0, "splits": None}
 
-    #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only (it ignores
-    #: ``p`` and ``state``, may be called with ``p = state = None``) and accepts a batch
-    #: ``(..., m, n)`` returned in the group's ``ns_dtype``. Such directions can be computed by
-    #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
-    #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
-    stateless_direction: bool = False
+    #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only: such
+    #: directions can be computed by any rank and stacked.
+    stateless_direction: ClassVar[bool] = False
+    #: The method's own defaults of :class:`Shared` keywords (Mousse's ``nesterov=False``),
+    #: over :data:`SHARED_DEFAULTS`.
+    shared_defaults: ClassVar[Shared] = Shared()
     #: State of a method's own kept per matrix in banks like the momentum (key → its
     #: :class:`~muoneq.optim.engine.Banked` shape and dtype), so that the stacked path's
     #: ``prepare`` and ``finish`` read it stacked.
     banked_state: ClassVar[StateShapes] = {}
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "_direction" in cls.__dict__ and "stateless_direction" not in cls.__dict__:
-            cls.stateless_direction = False
+    @classmethod
+    def shared_keywords(cls) -> dict[str, tuple[Any, Any]]:
+        defaults = {**SHARED_DEFAULTS, **cls.shared_defaults}
+        # annotations as written (``from __future__ import annotations``: TypedDict keeps them
+        # as forward references)
+        return {name: (getattr(annotation, "__forward_arg__", annotation), defaults[name])
+                for name, annotation in Shared.__annotations__.items()}
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None, **hyperparameters):
-        given = arguments(locals())  # a subclass's own hyper-parameters come in **
+    def __init__(self, params: ParamsT, method_defaults: dict[str, Any] | None = None,
+                 **shared: Unpack[Shared]):
+        """``method_defaults``: a subclass's own hyper-parameters, ``dict(beta2=beta2, …)``."""
+        unknown = {k: v for k, v in shared.items() if k not in SHARED_DEFAULTS}
+        refuse_unknown(type(self), unknown)
+        given = {**SHARED_DEFAULTS, **self.shared_defaults, **shared}
+        distributed, batching = given["distributed"], given["batching"]
+        workspace_limit = given["workspace_limit"]
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
@@ -218,9 +222,15 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         self.distributed = distributed
         self.batching = batching
         self.workspace_limit = workspace_limit
-        self.ns_backend = canonical_backend(ns_backend)
-        self.process_group = process_group
-        super().__init__(params, **{k: v for k, v in given.items() if k not in self._options()})
+        self.ns_backend = canonical_backend(given["ns_backend"])
+        self.process_group = given["process_group"]
+        defaults = dict(lr=given["lr"], momentum=given["momentum"], nesterov=given["nesterov"],
+                        weight_decay=given["weight_decay"], ns_steps=given["ns_steps"],
+                        ns_coefficients=given["ns_coefficients"], ns_dtype=given["ns_dtype"],
+                        lr_adjust=given["lr_adjust"], adamw_betas=given["adamw_betas"],
+                        adamw_eps=given["adamw_eps"], use_muon=True, transposed=False,
+                        batch_dims=0, splits=None, **(method_defaults or {}))
+        super().__init__(params, defaults)
         if self.ns_backend == "triton":
             self._check_triton()
 

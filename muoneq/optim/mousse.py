@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Backend, Coefficients
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, integer, nonnegative
 from muoneq.optim.engine import Banked, StackSettings, by_segment
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -83,28 +83,20 @@ class Mousse(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "alpha": Hyper(nonnegative, when="use_muon"),
         "precond_beta": Hyper(decay, when="use_muon"),
         "precond_eps": Hyper(nonnegative, when="use_muon"),
         "precond_every": Hyper(integer(1), when="use_muon"),
     }
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = False,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = "spectral_unclamped",
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, alpha: float = 0.125,
-                 precond_beta: float = 0.95, precond_eps: float = 1e-5,
-                 precond_every: int = 10,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(params, **arguments(locals()))
+    shared_defaults = Shared(nesterov=False, lr_adjust="spectral_unclamped")
+
+    def __init__(self, params: ParamsT, *, alpha: float = 0.125, precond_beta: float = 0.95,
+                 precond_eps: float = 1e-5, precond_every: int = 10, **shared: Unpack[Shared]):
+        super().__init__(params, dict(alpha=alpha, precond_beta=precond_beta,
+                                      precond_eps=precond_eps, precond_every=precond_every),
+                         **shared)
 
     #: The curvature state and the step counts are banked like the momentum, in at least
     #: float32 (the counts in float32): the stacked path reads them stacked.

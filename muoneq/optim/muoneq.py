@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Unpack
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import canonical_mode, equilibrate
 from muoneq.newton_schulz import (
-    Backend,
-    Coefficients,
     canonical_algorithm,
     ns_flops,
     run_schedule,
 )
 from muoneq.optim import executors
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, converted, nonnegative
 from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
 
 
 class MuonEq(HybridOrthogonalOptimizer):
@@ -94,33 +92,24 @@ class MuonEq(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "mode": Hyper(converted(canonical_mode), when="use_muon"),
         "eps": Hyper(nonnegative, when="use_muon"),
         "ns_algorithm": Hyper(converted(canonical_algorithm), when="use_muon"),
         "capturable": Hyper(boolean),
     }
-    added_keys = {"ns_algorithm": "standard", "capturable": False}
+    added_keys = {**HybridOrthogonalOptimizer.added_keys, "ns_algorithm": "standard",
+                  "capturable": False}
     stateless_direction = True
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, mode: str = "R", eps: float = 1e-8,
-                 ns_algorithm: str = "standard", capturable: bool = False, compile: bool = False,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        given = arguments(locals())
+    def __init__(self, params: ParamsT, *, mode: str = "R", eps: float = 1e-8,
+                 ns_algorithm: str = "standard", capturable: bool = False,
+                 compile: bool = False, **shared: Unpack[Shared]):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.compile = compile
-        super().__init__(params, **given)
+        super().__init__(params, dict(mode=mode, eps=eps, ns_algorithm=ns_algorithm,
+                                      capturable=capturable), **shared)
 
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
