@@ -744,6 +744,34 @@ def test_state_dict_round_trip_into_a_fresh_optimizer(case, named):
             == _without_names(opt.state_dict())["param_groups"][-1])
 
 
+@parametrize_ours
+def test_a_named_state_dict_goes_to_the_parameters_of_its_names_in_any_order(case):
+    """Two same-shape matrices with different momenta, loaded into an optimizer that lists them
+    in the other order: each state follows its name (by position, as torch matches, they would
+    swap silently); names that differ are refused."""
+    first, second = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+    opt = case.make([("first", first), ("second", second)])
+    for scale in (1.0, -3.0):
+        first.grad, second.grad = torch.randn(6, 4), scale * torch.randn(6, 4)
+        opt.step()
+    twins = {"first": nn.Parameter(first.detach().clone()),
+             "second": nn.Parameter(second.detach().clone())}
+    swapped = case.make([("second", twins["second"]), ("first", twins["first"])])
+    swapped.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for name, p in (("first", first), ("second", second)):
+        assert_equal_nested(swapped.state[twins[name]], opt.state[p], name)
+    for name, p in (("first", first), ("second", second)):
+        p.grad = torch.randn(6, 4)
+        twins[name].grad = p.grad.clone()
+    opt.step()
+    swapped.step()
+    assert_same([twins["first"], twins["second"]], [first, second])
+    other = case.make([("first", nn.Parameter(torch.randn(6, 4))),
+                       ("third", nn.Parameter(torch.randn(6, 4)))])
+    with pytest.raises(ValueError, match="^load_state_dict: param group 0 .* 'third'"):
+        other.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
 @parametrize
 def test_state_dict_survives_a_weights_only_save_and_load(case):
     opt = _primed(case)

@@ -180,6 +180,13 @@ class OptimizerBase(torch.optim.Optimizer):
         """Constructor options that are not hyper-parameters (kept by copies)."""
         return {}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but where the saved groups and this
+        optimizer's both name their parameters (``param_names``, from ``named_parameters()``)
+        each state goes to the parameter of its name, whatever the order; names that differ
+        are refused (:func:`matched_by_name`)."""
+        super().load_state_dict(matched_by_name(state_dict, self.param_groups))
+
     def __getstate__(self) -> dict:
         # torch.optim pickles defaults, state and groups only: copies must also know the options
         return {**super().__getstate__(), **self._options()}
@@ -196,3 +203,29 @@ class OptimizerBase(torch.optim.Optimizer):
         if "state" in state and "defaults" in state:  # a whole copy, not load_state_dict
             self._reset_caches()
 
+
+
+def matched_by_name(state_dict: dict, param_groups: list[dict]) -> dict:
+    """``state_dict`` with each saved group's parameters reordered to match the names of the
+    corresponding group of ``param_groups`` (torch matches by position only, so same-shape
+    parameters listed in another order would swap their state); unchanged where either side
+    does not name its parameters. A group whose names differ is a ``ValueError`` naming one."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups) or not all(
+            "param_names" in saved and "param_names" in group
+            for saved, group in zip(saved_groups, param_groups, strict=True)):
+        return state_dict  # torch's own checks (group counts, names on one side) apply
+    matched = []
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
+        ids = dict(zip(saved["param_names"], saved["params"], strict=True))
+        names = list(group["param_names"])
+        if set(ids) != set(names) or len(ids) != len(saved["params"]):
+            missing = sorted(set(names) - set(ids)) or sorted(set(ids) - set(names))
+            raise ValueError(
+                f"load_state_dict: param group {index} holds parameters the saved state does "
+                f"not name alike (first differing name: {(missing or names)[0]!r}); a state "
+                "dict loads into an optimizer over the same named parameters"
+            )
+        matched.append({**saved, "params": [ids[name] for name in names],
+                        "param_names": names})
+    return {**state_dict, "param_groups": matched}

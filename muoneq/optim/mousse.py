@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.optim.base import Hyper
+from muoneq.optim.base import Hyper, matched_by_name
 from muoneq.optim.checks import decay, integer, nonnegative
 from muoneq.optim.engine import Banked, StackSettings, by_segment
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
@@ -129,6 +129,7 @@ class Mousse(HybridOrthogonalOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the curvature state keeps its own
         (≥ float32) dtype: the base class would cast it to the dtype of a bf16 parameter."""
+        state_dict = matched_by_name(state_dict, self.param_groups)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         saved = {i: dict(state_dict["state"].get(i, {})) for i in saved_ids}
         super().load_state_dict(state_dict)
