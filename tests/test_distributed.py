@@ -23,12 +23,12 @@ from torch import nn
 from muoneq import MuonEq
 from muoneq.newton_schulz import ns_flops
 from muoneq.optim import Mousse, MuonPlus, NorMuon
-from muoneq.optim.executors import balance, shard_rows
+from muoneq.optim.distributed import balance, shard_rows
 from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
 
 WORLD = 2
 STEPS = 3
-#: Methods with state of their own (they override only ``_direction``): never split.
+#: Methods with state of their own (``banked_state``): never split.
 STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
 #: Methods other than MuonEq whose direction depends on ``M̃`` alone: split like MuonEq.
 STATELESS = {"muon_plus": MuonPlus}
@@ -120,15 +120,13 @@ def spawn(worker: str, tmp_path) -> list[dict]:
 class CountingMuonEq(MuonEq):
     """MuonEq that records the FLOPs it orthogonalizes on this rank."""
 
-    stateless_direction = True
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flops = 0.0
 
-    def _direction(self, p, m_tilde, state, group):
-        self.flops += ns_flops(m_tilde.shape[-2:], group["ns_steps"])
-        return super()._direction(p, m_tilde, state, group)
+    def prepare(self, M, segment, group, out):
+        self.flops += M.shape[0] * ns_flops(M.shape[-2:], group["ns_steps"])
+        return M
 
 
 #: (optimizer, distributed=): MuonEq split or not, Muon+ split, and NorMuon (stateful: never

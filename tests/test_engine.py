@@ -1,4 +1,4 @@
-"""The planned stacked path (``muoneq.optim.engine``): a budget of operations per step that
+"""The planned stacked step (``muoneq.optim.plan``, ``muoneq.functional.step_stacks``): a budget of operations per step that
 does not grow with the number of matrices, nothing allocated after the first step, and momentum
 banks behind an unchanged state dict."""
 
@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, build_optimizer, diag_pre
-from muoneq.optim import hybrid
-from muoneq.optim.engine import plan_stacks
+from muoneq.optim import plan
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -268,7 +267,9 @@ def test_the_stacks_are_planned_once(method, monkeypatch):
     """Later steps reuse the plan and its buffers (a method's ``finish`` is a new closure each
     step, and must not make the settings look changed)."""
     planned = []
-    monkeypatch.setattr(hybrid, "plan_stacks", lambda *a: planned.append(1) or plan_stacks(*a))
+    plan_stacks = plan.plan_stacks
+    monkeypatch.setattr(plan, "plan_stacks",
+                        lambda *a, **k: planned.append(1) or plan_stacks(*a, **k))
     stepped_with(method, [(6, 4), (6, 4), (4, 6)], steps=3)
     assert len(planned) == 1
 
@@ -332,7 +333,7 @@ def test_workspace_limit_bounds_the_workspace_the_plan_holds(limit_mib):
     limit = None if limit_mib is None else limit_mib << 20
     opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16", workspace_limit=limit)
     planned = opt.workspace_bytes
-    chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+    chunks = [c for step in opt._planned().values() for c in step.chunks]
     if limit is None:
         assert planned == gpt2_workspace_by_hand(12) and len(chunks) == 4
         assert round(planned / 2**20) == 243
@@ -359,7 +360,7 @@ def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
             opt.step()
-        chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+        chunks = [c for step in opt._planned().values() for c in step.chunks]
         results.append((params, len(chunks), opt.workspace_bytes))
     (unbounded, few, big), (bounded, many, small) = results
     assert many > few and small < big

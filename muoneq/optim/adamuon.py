@@ -12,8 +12,8 @@ from torch.optim.optimizer import ParamsT
 from muoneq.layout import MatrixLayout
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, decay, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -75,19 +75,14 @@ class AdaMuon(HybridOrthogonalOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        source = m_tilde.sign() if group["sign_momentum"] else m_tilde
-        O = self._orthogonalizer(group, source.device)(source)
-        return self._adapted(O, state["exp_avg_sq"], state["step"], group, p.dtype)
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
+        return torch.sign(M, out=out) if group["sign_momentum"] else M
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
-            return torch.sign(M, out=out) if group["sign_momentum"] else M
+    finishes_in_ns_dtype = False
 
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._adapted(
-                rows, s.state["exp_avg_sq"], s.state["step"], group, s.momentum.dtype))
-        return self._stacked_settings(group, plan, "none", finish, prepare)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._adapted(O, segment.state["exp_avg_sq"], segment.state["step"], group,
+                             segment.momentum.dtype)
 
     @staticmethod
     def _adapted(O: Tensor, v: Tensor, step: Tensor, group: dict, dtype: torch.dtype) -> Tensor:

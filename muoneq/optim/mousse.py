@@ -11,8 +11,8 @@ from torch.optim.optimizer import ParamsT
 from muoneq.layout import MatrixLayout
 from muoneq.optim.base import Hyper, matched_by_name
 from muoneq.optim.checks import decay, integer, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment, is_dtensor
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -34,6 +34,11 @@ def _accumulate(factor: Tensor, A: Tensor, B: Tensor, beta: float) -> None:
     """``F ← β·F + (1−β)·A·B`` for one factor or a stack (``addmm``/``baddbmm``)."""
     product = factor.mul_(beta).addmm_ if factor.ndim == 2 else factor.mul_(beta).baddbmm_
     product(A, B, alpha=1 - beta)
+
+
+def full(t: Tensor) -> Tensor:
+    """A whole tensor: a ``DTensor``'s ``full_tensor()`` (FSDP2's gradients), any other itself."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 #: State kept in at least float32 whatever the parameter's dtype.
@@ -139,24 +144,17 @@ class Mousse(HybridOrthogonalOptimizer):
             for key in _CURVATURE_KEYS.intersection(saved[saved_id]):
                 self.state[p][key] = saved[saved_id][key].to(device=p.device, dtype=dtype)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        (G,) = MatrixLayout.of(p, group).matrices(p.grad)
-        whitened = self._whitened(m_tilde, G, state, group)
-        O = self._orthogonalizer(group, whitened.device)(whitened)
-        return self._mapped_back(O, state, group)
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
+        """The factors' update from the gradients (whole: a sharded one is gathered), then the
+        whitened ``M̃``."""
+        grads = torch.stack([full(p.grad) for p in segment.params])
+        G = segment.layout.stacked_blocks(grads)[segment.split].reshape(M.shape)
+        return self._whitened(M, G, segment.state, group)
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
-            def whiten(rows: Tensor, s) -> Tensor:
-                grads = torch.stack([p.grad for p in s.params])
-                G = s.bank.layout.stacked_blocks(grads)[s.split].reshape(rows.shape)
-                return self._whitened(rows, G, s.state, group)
-            return by_segment(M, segments, whiten)
+    finishes_in_ns_dtype = False
 
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._mapped_back(rows, s.state,
-                                                                            group))
-        return self._stacked_settings(group, plan, "none", finish, prepare)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._mapped_back(O, segment.state, group)
 
     @staticmethod
     def _whitened(M: Tensor, G: Tensor, state: dict, group: dict) -> Tensor:

@@ -10,8 +10,8 @@ from torch.optim.optimizer import ParamsT
 
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import choice, nonnegative
-from muoneq.optim.engine import StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Segment
 
 #: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
 NORM_MODES = ("none", "col", "row", "col_row", "row_col")
@@ -77,17 +77,10 @@ class MuonPlus(HybridOrthogonalOptimizer):
                  **shared: Unpack[Shared]):
         super().__init__(params, dict(norm_mode=norm_mode, norm_eps=norm_eps), **shared)
 
-    #: The direction is a function of ``M̃`` alone and takes a stack: Muon+ splits between DDP
-    #: ranks and rides the stacked path like MuonEq.
-    stateless_direction = True
+    finishes_in_ns_dtype = False
 
-    def _direction(self, p: Tensor | None, m_tilde: Tensor, state: dict | None,
-                   group: dict) -> Tensor:
-        return self._normalized(self._orthogonalizer(group, m_tilde.device)(m_tilde), group)
-
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        return self._stacked_settings(group, plan, "none",
-                                      lambda U, segments: self._normalized(U, group))
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._normalized(O, group)
 
     @staticmethod
     def _normalized(U: Tensor, group: dict) -> Tensor:

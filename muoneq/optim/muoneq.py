@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Unpack
 
-import torch
-from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.functional import canonical_mode, equilibrate
+from muoneq.functional import canonical_mode
 from muoneq.newton_schulz import (
     canonical_algorithm,
-    ns_flops,
-    run_schedule,
 )
-from muoneq.optim import executors
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, converted, nonnegative
-from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
 
 
@@ -100,7 +92,6 @@ class MuonEq(HybridOrthogonalOptimizer):
     }
     added_keys = {**HybridOrthogonalOptimizer.added_keys, "ns_algorithm": "standard",
                   "capturable": False}
-    stateless_direction = True
 
     def __init__(self, params: ParamsT, *, mode: str = "R", eps: float = 1e-8,
                  ns_algorithm: str = "standard", capturable: bool = False,
@@ -116,56 +107,6 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
-        if not group["capturable"]:
-            return
-        devices = {p.device.type for p in group["params"]}
-        why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
-               "batching='stacked')" if group["use_muon"] and any(
-                   not self._stacked(torch.device(d)) for d in devices)
-               else "compile=True's graphs are not captured with it yet" if self.compile
-               else f"{type(self).__name__} replaces MuonEq's direction"
-               if type(self)._direction is not MuonEq._direction else None)
-        if why is not None:
-            raise ValueError(f"capturable: only MuonEq's stacked step is capturable, and {why}; "
-                             "use capturable=False")
-
-    def _reset_caches(self) -> None:
-        super()._reset_caches()
-        self._compiled = torch.compile(run_schedule) if self.compile else None
-
-    def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
-        """Newton–Schulz in the group's order plus DiagPre's ~4mn."""
-        return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
-
-    def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
-        """Lines 11–12 as two stages the per-slot path runs itself, ``NS_K`` after
-        :func:`~muoneq.functional.equilibrate` (a subclass that replaces :meth:`_direction`
-        is called through it instead)."""
-        if type(self)._direction is not MuonEq._direction:
-            return super()._rule(group, device, stacked)
-        orthogonalize = self._orthogonalizer(group, device)
-        precondition = functools.partial(equilibrate, mode=group["mode"], eps=group["eps"],
-                                         dtype=orthogonalize.keywords["dtype"])
-        return DirectionRule(orthogonalize, precondition, stacked=stacked,
-                             stack_elements=executors.STACK_ELEMENTS,
-                             workspace=None if self._compiled else self._workspace)
-
-    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
-        """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
-        subclass's own :meth:`_direction`)."""
-        if type(self)._direction is not MuonEq._direction:
-            return None
-        return self._stacked_settings(group, plan, group["mode"])
-
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
-        (the stages of :meth:`_rule`, for subclasses that build on them).
-
-        DiagPre writes its result straight in ``ns_dtype``; a single matrix's temporaries live
-        in the optimizer's workspace (a stack allocates its own).
-        """
-        ws = self._workspace if m_tilde.ndim == 2 and self._compiled is None else None
-        orthogonalize = self._orthogonalizer(group, m_tilde.device)
-        balanced = equilibrate(m_tilde, mode=group["mode"], eps=group["eps"],
-                               dtype=orthogonalize.keywords["dtype"], workspace=ws)
-        return orthogonalize(balanced, workspace=ws)
+        if group["capturable"] and self.compile:
+            raise ValueError("capturable: compile=True's graphs are not captured with it yet; "
+                             "use capturable=False or compile=False")

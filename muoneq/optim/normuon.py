@@ -11,8 +11,8 @@ from torch.optim.optimizer import ParamsT
 from muoneq.layout import MatrixLayout
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment
 
 
 class NorMuon(HybridOrthogonalOptimizer):
@@ -65,15 +65,11 @@ class NorMuon(HybridOrthogonalOptimizer):
         if "second_moment" not in state:  # a DTensor's (the banks hold the others')
             state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        O = self._orthogonalizer(group, m_tilde.device)(m_tilde)
-        return self._normalized(O, state["second_moment"], group, p.dtype)
+    finishes_in_ns_dtype = False
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._normalized(
-                rows, s.state["second_moment"], group, s.momentum.dtype))
-        return self._stacked_settings(group, plan, "none", finish)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._normalized(O, segment.state["second_moment"], group,
+                                segment.momentum.dtype)
 
     @staticmethod
     def _normalized(O: Tensor, v: Tensor, group: dict, dtype: torch.dtype) -> Tensor:

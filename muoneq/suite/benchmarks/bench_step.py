@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from muoneq.functional import diag_pre, lr_scale, matrix_shape
 from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, resolve_dtype
 from muoneq.optim import MuonEq
-from muoneq.optim.executors import balance
+from muoneq.optim.distributed import balance
 from muoneq.suite.machine import device_name
 
 NS_STEPS = 5
