@@ -164,7 +164,39 @@ def ddp_worker(rank: int, world: int) -> dict:
 def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
     """One pair of processes for every layout (process start-up dominates these tests)."""
     return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world),
-            "layouts": layouts_worker(rank, world)}
+            "layouts": layouts_worker(rank, world), "budgets": budgets_worker(rank, world)}
+
+
+#: Matrices of the budget runs: per copy, two shapes (one tall, one wide) × 3 matrices each.
+BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
+
+
+def budgets_worker(rank: int, world: int) -> dict:
+    """The stacked step's aten operations and allocations after the first step, split between
+    DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards, for one
+    and for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, MuonEq-R)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.helpers.dispatch import dispatched
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for path in ("ddp", "fsdp"):
+        for copies in (2, 6):
+            gen = torch.Generator().manual_seed(0)
+            values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+            grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+            place = ((lambda t: t) if path == "ddp"
+                     else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
+            params = [nn.Parameter(place(v)) for v in values]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = place(g)
+            opt = MuonEq(params, lr=0.02, ns_dtype="float32", batching="stacked")
+            opt.step()
+            seen = dispatched(opt.step)
+            results[(path, copies)] = (dict(seen.ops), seen.allocated)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +241,35 @@ def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results):
     assert sum(shares) == pytest.approx(sum(costs))
     assert all(share > 0 for share in shares)
     assert max(shares) <= sum(costs) / WORLD + max(costs)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stacked_ddp_run_equals_the_single_process_stacked_run(ddp_results):
+    """Owners step contiguous runs of the same plan: every weight bit for bit as one process."""
+    want = single_process("RC/stacked")
+    for r in range(WORLD):
+        for a, b in zip(ddp_results[r][("RC/stacked", "auto")], want, strict=True):
+            assert torch.equal(a, b)
+
+
+#: aten operations of a DDP-split and of an FSDP2 stacked step on :data:`BUDGET_SHAPES` (the
+#: busier rank's, which steps parts of both shapes; the same for three times the matrices,
+#: whose owners cut the same shapes): the one-process step's prologue, Newton–Schulz and
+#: update, the copies in and out of the exchange buffers and the collectives.
+DISTRIBUTED_BUDGETS = {"ddp": 68, "fsdp": 81}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_a_distributed_stacked_step_keeps_its_budget_and_allocates_nothing(spawned, path):
+    for r in range(WORLD):
+        (ops, allocated), (more_ops, more_allocated) = (spawned[r]["budgets"][(path, copies)]
+                                                        for copies in (2, 6))
+        assert allocated == [] and more_allocated == []
+        assert ops == more_ops, "the operations grow with the shapes, not with the matrices"
+        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path], ops
 
 
 @pytest.mark.distributed

@@ -1,6 +1,6 @@
-"""The planned stacked step (``muoneq.optim.plan``, ``muoneq.functional.step_stacks``): a budget of operations per step that
-does not grow with the number of matrices, nothing allocated after the first step, and momentum
-banks behind an unchanged state dict."""
+"""The planned stacked step (``muoneq.optim.plan``, ``muoneq.functional.step_stacks``): a budget
+of operations per step that does not grow with the number of matrices, nothing allocated after
+the first step, and momentum banks behind an unchanged state dict."""
 
 from __future__ import annotations
 

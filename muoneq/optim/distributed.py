@@ -129,7 +129,8 @@ def check_same_gradients(grads: Sequence[Tensor], group) -> None:
 class Split:
     """DDP's exchange of a group: the rank's owned runs of the plan, the buffer it sends (its
     directions, in the NS dtype: nothing rounds twice) and the one it receives (every rank's),
-    and per chunk of the group's plan where its directions arrive (``(rows, received view)``)."""
+    and per chunk of the group's plan where its directions arrive (``(rows of the chunk's
+    stack, received view)``)."""
 
     group: object
     send: Tensor | None = None
@@ -221,7 +222,7 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
                     runs.append([row, row + count, start, owner])
                 row, u = row + count, u + 1
         split.arrivals.append([
-            (slice(first, last), split.received[start : start + (last - first) * size]
+            (chunk.stack[first:last], split.received[start : start + (last - first) * size]
              .view(last - first, *chunk.shape)) for first, last, start, _ in runs])
 
 
@@ -247,8 +248,9 @@ class Sharded:
     returned: Tensor | None = None
     send_counts: list[int] = field(default_factory=list)
     recv_counts: list[int] = field(default_factory=list)
-    #: ``(bank, lo, hi, send view)``: this rank's rows of ``M̃`` of a run, to its owner
-    outgoing: list[tuple[Bank, int, int, Tensor]] = field(default_factory=list)
+    #: ``(parameters, their momentum rows, send view)``: this rank's rows of ``M̃`` of a run,
+    #: to its owner
+    outgoing: list[tuple[list[Tensor], Tensor, Tensor]] = field(default_factory=list)
     #: ``(received view, whole bank rows)``: a peer's rows of a run this rank owns
     assembling: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     #: ``(whole bank rows, back view)``: an owned run's directions, a peer's rows
@@ -378,7 +380,8 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
     for bank, lo, hi, at in outgoing:
         shape, size = (hi - lo, *bank.momentum.shape[1:]), (hi - lo) * math.prod(
             bank.momentum.shape[1:])
-        sharded.outgoing.append((bank, lo, hi, sharded.send[at : at + size].view(shape)))
+        sharded.outgoing.append((bank.params[lo:hi], bank.momentum[lo:hi],
+                                 sharded.send[at : at + size].view(shape)))
         sharded.arriving.append((sharded.returned[at : at + size].view(shape),
                                  rows_of[id(bank)][lo:hi]))
     sharded.assembling, sharded.returning = [], []
@@ -442,7 +445,7 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
         _all_gather_single(exchange.received, exchange.send, group=exchange.group)
         for chunk, arrivals in zip(step.chunks, exchange.arrivals, strict=True):
             for rows, view in arrivals:
-                chunk.stack[rows].copy_(view)
+                rows.copy_(view)
             update(chunk, chunk.stack, lr, compiled.get(("update", chunk.shape)))
     else:
         _return_rows(exchange, lr)
@@ -450,12 +453,12 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
 
 def _send_rows(sharded: Sharded, nesterov: bool, beta: float) -> None:
     """This rank's rows of ``M̃`` to the owners, assembled there into whole banks."""
-    for bank, lo, hi, view in sharded.outgoing:
+    for params, momentum, view in sharded.outgoing:
         if nesterov:
-            torch.stack([local(p.grad) for p in bank.params[lo:hi]], out=view)
-            view.lerp_(bank.momentum[lo:hi], beta)
+            torch.stack([local(p.grad) for p in params], out=view)
+            view.lerp_(momentum, beta)
         else:
-            view.copy_(bank.momentum[lo:hi])
+            view.copy_(momentum)
     dist.all_to_all_single(sharded.received, sharded.send, sharded.recv_counts,
                            sharded.send_counts, group=sharded.group)
     for view, target in sharded.assembling:

@@ -65,8 +65,9 @@ def is_dtensor(t) -> bool:
 
 
 def local(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a ``DTensor``'s local shard, any other tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
+    """The tensor this rank holds: a ``DTensor``'s local shard (the shard itself:
+    ``to_local()`` would dispatch a view on every call), any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 # ----------------------------------------------------------------------------- banks
