@@ -34,12 +34,14 @@ MODES = ["none", "R", "C", "RC"]
 
 def stepped(shapes, steps: int = 2, **options) -> MuonEq:
     """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps
-    (Newton–Schulz in float32, which ``"auto"`` is on CPUs without native bf16 products)."""
+    (Newton–Schulz in float32, which ``"auto"`` is on CPUs without native bf16 products; whole
+    shapes in one chunk, ``workspace_limit=None``)."""
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", "ns_dtype": "float32", **options})
+    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", "ns_dtype": "float32",
+                                     "workspace_limit": None, **options})
     for _ in range(steps):
         opt.step()
     return opt
@@ -171,7 +173,7 @@ def stacked_and_per_matrix(method: str, steps: int = 3, reset_after: int | None 
         params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
                   for s in shapes]
         opt = build_optimizer(method, [{"params": params}], lr=0.05, ns_dtype="float64",
-                              batching=batching, **options)
+                              batching=batching, workspace_limit=None, **options)
         for step in range(steps):
             if step == reset_after:
                 opt.state[params[0]].clear()
@@ -248,7 +250,7 @@ def stepped_with(method: str, shapes, steps: int = 2):
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked",
-                          ns_dtype="float32")
+                          ns_dtype="float32", workspace_limit=None)
     for _ in range(steps):
         opt.step()
     return opt
@@ -288,7 +290,7 @@ def test_compile_compiles_each_chunks_stages_once_and_rounds_as_eager(mode, nest
         gen = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
         opt = MuonEq(params, lr=0.05, mode=mode, nesterov=nesterov, ns_dtype="float32",
-                     batching="stacked", compile=compile)
+                     batching="stacked", compile=compile, workspace_limit=None)
         before = counters["stats"]["unique_graphs"]
         for step in range(3):
             for p in params:
@@ -370,5 +372,44 @@ def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
 
 @pytest.mark.parametrize("limit", [-1, 1.5, True, "64MB"])
 def test_a_bad_workspace_limit_is_one_line_naming_it(limit):
-    with pytest.raises(ValueError, match="^workspace_limit: expected None or a number of bytes"):
+    with pytest.raises(ValueError,
+                       match="^workspace_limit: expected 'auto', None or a number of bytes"):
         MuonEq([nn.Parameter(torch.randn(3, 3))], workspace_limit=limit)
+
+
+def torch_muon_peak(shapes) -> int:
+    """``torch.optim.Muon``'s peak extra memory on a set: that of its largest matrix (it steps
+    one at a time), measured on this CPU (the profiler's allocation trace) with one
+    Newton–Schulz step (K steps hold the same temporaries)."""
+    from muoneq.suite.benchmarks.bench_step import peak_extra_bytes
+
+    largest = max(shapes, key=lambda s: s[0] * s[1])
+    p = nn.Parameter(torch.zeros(largest))
+    p.grad = torch.randn(largest)
+    opt = torch.optim.Muon([p], ns_steps=1, adjust_lr_fn="match_rms_adamw")
+    opt.step()
+    return peak_extra_bytes(opt.step, torch.device("cpu"))
+
+
+#: The default workspace of the full-size sets (``workspace_limit="auto"``), MuonEq-R, bf16
+#: Newton–Schulz, planned on the meta device: MiB, chunks, and the aten operations of a step.
+DEFAULT_PLANS = {"gpt2_small": (38.3, 33, 1025), "llama2_130m": (27.0, 48, 1490)}
+
+
+@pytest.mark.parametrize("name", DEFAULT_PLANS)
+def test_the_default_workspace_is_within_twice_torch_muons_extra_memory(name):
+    """The default bound keeps a step's extra memory (the workspace: a stacked step allocates
+    nothing else) within twice what torch.optim.Muon's step takes; what that costs in
+    operations against whole-shape chunks is stated here (and in docs/performance.md)."""
+    shapes = MATRIX_SETS[name](False)
+    params = [nn.Parameter(torch.zeros(s, device="meta")) for s in shapes]
+    for p in params:
+        p.grad = torch.zeros(p.shape, device="meta")
+    opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16")
+    opt.step()
+    planned, steps = opt.workspace_bytes, opt._planned().values()
+    assert planned <= 2 * torch_muon_peak(shapes)
+    mib, chunks, ops = DEFAULT_PLANS[name]
+    assert round(planned / 2**20, 1) == mib
+    assert sum(len(step.chunks) for step in steps) == chunks
+    assert dispatched(opt.step).total == ops

@@ -77,6 +77,7 @@ from muoneq.optim.plan import (
     carve,
     compiled_copy,
     local,
+    muon_step_bytes,
     plan_workspace,
 )
 
@@ -101,7 +102,7 @@ class Shared(TypedDict, total=False):
     adamw_eps: float
     distributed: bool | str
     batching: str
-    workspace_limit: int | None
+    workspace_limit: int | str | None
     ns_backend: Backend
     process_group: dist.ProcessGroup | None
 
@@ -110,12 +111,15 @@ class Shared(TypedDict, total=False):
 SHARED_DEFAULTS = Shared(
     lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
     ns_coefficients="quintic", ns_dtype="auto", lr_adjust="rms", adamw_betas=(0.9, 0.95),
-    adamw_eps=1e-8, distributed="auto", batching="auto", workspace_limit=None,
+    adamw_eps=1e-8, distributed="auto", batching="auto", workspace_limit="auto",
     ns_backend="torch", process_group=None,
 )
 #: The keywords of :class:`Shared` that choose how, not what, is computed: options kept by the
 #: optimizer (and its copies), not param-group keys.
 OPTIONS = ("distributed", "batching", "workspace_limit", "ns_backend", "process_group")
+#: ``workspace_limit="auto"``: this many times the extra memory ``torch.optim.Muon``'s step
+#: takes for the largest matrix (:func:`~muoneq.optim.plan.muon_step_bytes`).
+AUTO_WORKSPACE_OVER_MUON = 2
 
 
 class HybridOrthogonalOptimizer(OptimizerBase):
@@ -209,10 +213,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             raise ValueError(
                 f"batching: unknown value {batching!r}; allowed: {', '.join(BATCHING)}"
             )
-        if workspace_limit is not None and (isinstance(workspace_limit, bool) or not isinstance(
-                workspace_limit, int) or workspace_limit < 0):
-            raise ValueError("workspace_limit: expected None or a number of bytes ≥ 0, got "
-                             f"{workspace_limit!r}")
+        if workspace_limit not in (None, "auto") and (
+                isinstance(workspace_limit, bool) or not isinstance(workspace_limit, int)
+                or workspace_limit < 0):
+            raise ValueError("workspace_limit: expected 'auto', None or a number of bytes ≥ 0, "
+                             f"got {workspace_limit!r}")
         self.distributed = distributed
         self.batching = batching
         self.workspace_limit = workspace_limit
@@ -452,7 +457,14 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         planned = {index: (self._plans[index], settings, present,
                            distributed.computed_banks(self._plans[index], exchanges[index]))
                    for index, settings, present in wanted}
-        self._workspace, chunks = plan_workspace(planned, self.workspace_limit)
+        limit = self.workspace_limit
+        if limit == "auto":
+            limit = AUTO_WORKSPACE_OVER_MUON * max(
+                (muon_step_bytes(block, p.dtype, self.param_groups[index]["nesterov"])
+                 for index, (plan, *_) in planned.items()
+                 for p, layout in zip(plan.params, plan.layouts, strict=True)
+                 for block in layout.blocks), default=0)
+        self._workspace, chunks = plan_workspace(planned, limit)
         steps = {}
         for index, settings, present in wanted:
             plan, exchange = self._plans[index], exchanges[index]

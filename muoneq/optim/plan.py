@@ -518,6 +518,16 @@ def _complete_banks(chunks: list[Chunk]) -> None:
         chunk.completes.append((bank.params, list(bank.gather.unbind(0))))
 
 
+def muon_step_bytes(shape: tuple[int, int], dtype: torch.dtype, nesterov: bool) -> int:
+    """The memory ``torch.optim.Muon``'s step takes beyond its state for one m×n matrix of
+    ``dtype`` (it steps one matrix at a time, so its peak is its largest matrix's): the Nesterov
+    input ``M̃`` in the parameters' dtype, then in bf16 the iterate and the next one, the Gram
+    matrix and its polynomial (``s × s``, ``s = min(m, n)``)."""
+    m, n = shape
+    small = min(m, n)
+    return (dtype.itemsize * m * n if nesterov else 0) + 2 * (2 * m * n + 2 * small * small)
+
+
 def plan_workspace(plans: dict[int, tuple[GroupPlan, StackSettings, Sequence[bool], list[Bank]]],
                    limit: int | None) -> tuple[Workspace, dict[int, list[Chunk]]]:
     """The chunks of every planned group (index → its plan, settings, which parameters have a
