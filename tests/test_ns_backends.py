@@ -21,14 +21,17 @@ SHAPES = [(2, 40, 70), (2, 70, 40), (1, 65, 65), (3, 16, 130)]
 
 @pytest.fixture(scope="module")
 def kernels():
-    """:mod:`muoneq.ns_triton`, its kernels on CUDA or in Triton's interpreter (``conftest.py``
-    asks for it where there is no GPU), on CPU tensors."""
+    """:mod:`muoneq.ns_triton`, its kernels in Triton's interpreter (``conftest.py`` asks for
+    it where there is no GPU) on CPU tensors, the interpreter's bf16 arithmetic corrected
+    (:mod:`tests.helpers.triton_interpreter`)."""
     pytest.importorskip("triton")
     from muoneq import ns_triton
+    from tests.helpers.triton_interpreter import corrected
 
     if not ns_triton._interpreted():
         pytest.skip("the Triton kernels run on CPU only in Triton's interpreter")
-    return ns_triton
+    with corrected():
+        yield ns_triton
 
 
 def iterate_stack(X, coefficients, *, other, gram, poly):
@@ -252,3 +255,15 @@ def test_the_polar_express_schedule_meets_the_accuracy_rule_in_bfloat16():
         errors = {name: ((newton_schulz(G, 5, name, torch.bfloat16).double() - exact).norm()
                          / exact.norm()).item() for name in ("quintic", "polar_express")}
         assert errors["polar_express"] <= errors["quintic"], errors
+
+
+def test_a_launch_records_its_configuration_and_offsets_the_stack_in_64_bits(kernels):
+    """The configuration a device ran is recorded (the interpreter: the default one), and a
+    matrix's offset in the stack is a 64-bit product (a stack can exceed 2³¹ elements)."""
+    import inspect
+
+    Y = normalized((2, 16, 24), torch.float32)
+    kernels.symmetric_gram(Y, torch.empty(2, 16, 16))
+    assert kernels.CHOSEN["cpu"] is kernels.DEFAULT_CONFIG
+    for kernel in (kernels._symmetric_kernel, kernels._apply_kernel):
+        assert "k = tl.program_id(2).to(tl.int64)" in inspect.getsource(kernel.fn)
