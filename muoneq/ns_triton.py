@@ -1,15 +1,16 @@
 """Newton–Schulz steps in this project's Triton kernels: ``ns_backend="triton"``.
 
-Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is three
-kernels, each one program per output tile and matrix:
+Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is two kernels
+(one program per output tile and matrix) and one batched cuBLAS product:
 
 * :func:`_symmetric_kernel` — ``A = Y·Yᵀ`` for the wide view ``Y`` of each matrix (``X``
   itself, or ``Xᵀ`` for a tall one, read through its strides: tall matrices stay tall in memory
   and ``A`` is the small ``XᵀX``). ``A`` is symmetric: only the tiles on and below the diagonal
   are computed, and their lower triangles stored twice, mirrored (``A`` exactly symmetric);
 * the same kernel, ``B = b·A + c·A·A`` fused (``A·A`` symmetric too: one triangle, mirrored);
-* :func:`_apply_kernel` — ``X' = a·Y + B·Y`` fused, written through the strides of the output
-  (tall again for a tall ``X``).
+* ``X' = a·X + B·X`` on cuBLAS (``torch.baddbmm``) in :func:`iterate_stack`;
+  :func:`_apply_kernel` fuses it (written through the strides of the output, tall again for a
+  tall ``X``), kept to measure against.
 
 Products accumulate in float32 (``tl.dot``), float32 inputs in IEEE precision (no TF32, as
 torch's default matmul), and each result is cast once to the stack's dtype, as cuBLAS does for
@@ -205,16 +206,20 @@ def apply_polynomial(Y: Tensor, B: Tensor, a: float, out: Tensor) -> Tensor:
 
 def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
                   poly: Tensor) -> Tensor:
-    """:func:`muoneq.newton_schulz.iterate_stack` in these kernels (same buffers, same
-    result within the rounding of ``X``'s dtype): the iterate alternates between ``X`` and
-    ``other``, a tall stack through its transposed view; returns the buffer of the last."""
+    """Newton–Schulz steps with the symmetric products in these kernels and the third one,
+    ``a·X + B·X``, on cuBLAS (``torch.baddbmm``, as microsoft/dion does; ``X·B`` for a tall
+    stack): :class:`muoneq.newton_schulz.StackIteration`'s buffers, its result within the
+    rounding of ``X``'s dtype. The iterate alternates between ``X`` and ``other``, a tall stack
+    read through its transposed view; returns the buffer of the last.
+    :func:`apply_polynomial` fuses the third product instead (kept for measuring it)."""
     tall = X.size(-2) > X.size(-1)
-    (current, current_wide), (following, following_wide) = (
-        (X, X.mT), (other, other.mT)) if tall else ((X, X), (other, other))
+    current, following = X, other
     for a, b, c in coefficients:
-        symmetric_gram(current_wide, gram)
+        symmetric_gram(current.mT if tall else current, gram)
         symmetric_polynomial(gram, b, c, poly)
-        apply_polynomial(current_wide, poly, a, following_wide)
-        (current, current_wide), (following, following_wide) = (
-            (following, following_wide), (current, current_wide))
+        if tall:
+            torch.baddbmm(current, current, poly, beta=a, out=following)
+        else:
+            torch.baddbmm(current, poly, current, beta=a, out=following)
+        current, following = following, current
     return current
