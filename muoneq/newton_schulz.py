@@ -270,18 +270,14 @@ def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, Xt: Tensor | 
     the caller holds it; ``out``, ``gram``, ``poly`` take the new ``X``, ``A`` and
     ``b·A + c·A²``."""
     Xt = X.mT if Xt is None else Xt
+    matmul = torch.mm if X.ndim == 2 else torch.bmm  # no reshaping around them
     if X.size(-2) > X.size(-1):
-        A = _matmul(Xt, X, out=gram)
+        A = matmul(Xt, X, out=gram)
         B = _addmm(A, A, A, beta=b, alpha=c, out=poly)
         return _addmm(X, X, B, beta=a, out=out)
-    A = _matmul(X, Xt, out=gram)
+    A = matmul(X, Xt, out=gram)
     B = _addmm(A, A, A, beta=b, alpha=c, out=poly)
     return _addmm(X, B, X, beta=a, out=out)
-
-
-def _matmul(A: Tensor, B: Tensor, *, out: Tensor | None) -> Tensor:
-    """``A @ B``: ``mm`` for matrices, ``bmm`` for stacks (no reshaping around it)."""
-    return torch.mm(A, B, out=out) if A.ndim == 2 else torch.bmm(A, B, out=out)
 
 
 def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
@@ -333,25 +329,20 @@ class MatrixIteration:
                 ("ns_gram", (count, small, small), dtype),
                 ("ns_poly", (count, small, small), dtype)]
 
-    def steps(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Iterator[Tensor]:
-        """Each iterate after ``X``'s, of ``X``'s shape (views of the two buffers)."""
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
         tall = X.size(-2) > X.size(-1)
         wide = X.mT if tall else X
         current, following = wide, buffers["ns_other"]
-        for a, b, c in coefficients:
+        for k, (a, b, c) in enumerate(coefficients):
             for j in range(X.size(0)):
                 newton_schulz_step(current[j], a, b, c, out=following[j],
                                    gram=buffers["ns_gram"][j], poly=buffers["ns_poly"][j])
-            # X's storage is free after the first step: the next wide buffer
-            current, following = following, (X.view(following.shape) if current is wide
-                                              else current)
-            yield current.mT if tall else current
-
-    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
-        found = X
-        for step in self.steps(X, coefficients, buffers):
-            found = step
-        return found
+            if k == 0:  # X's storage is free after the first step: the next wide buffer
+                current, following = following, (wide if wide.is_contiguous()
+                                                  else X.view(following.shape))
+            else:
+                current, following = following, current
+        return current.mT if tall else current
 
 
 class GramIteration:
@@ -478,8 +469,8 @@ def newton_schulz_iterates(
     """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
 
     One pass records the whole error curve of Theorem 3.1 (the spectral diagnostics use
-    it); the iterates are :class:`MatrixIteration`'s, so the last equals
-    ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
+    it): :class:`MatrixIteration`, one step at a time (the same operations on the same
+    values), so the last equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
     """
     if G.ndim < 2:
         raise ValueError(
@@ -489,8 +480,9 @@ def newton_schulz_iterates(
     X = _normalized_stack(G, settings)
     yield X.clone().reshape(G.shape)
     iteration = MatrixIteration()
-    for found in iteration.steps(X, settings.schedule.coefficients, buffers_for(iteration, X)):
-        yield found.clone().reshape(G.shape)
+    for coefficients in settings.schedule.coefficients:
+        X = iteration.iterate(X, (coefficients,), buffers_for(iteration, X))
+        yield X.clone().reshape(G.shape)
 
 
 def _normalized_stack(G: Tensor, settings: NSSettings) -> Tensor:

@@ -267,3 +267,11 @@ def test_a_launch_records_its_configuration_and_offsets_the_stack_in_64_bits(ker
     assert kernels.CHOSEN["cpu"] is kernels.DEFAULT_CONFIG
     for kernel in (kernels._symmetric_kernel, kernels._apply_kernel):
         assert "k = tl.program_id(2).to(tl.int64)" in inspect.getsource(kernel.fn)
+
+
+def test_a_backend_that_cannot_run_the_gram_order_is_one_line():
+    with pytest.raises(ValueError, match=r"^ns_algorithm: 'gram' runs on torch's products; "
+                                         r"ns_backend=mine runs the standard order only"):
+        def mine(X, coefficients):
+            return X
+        MuonEq([nn.Parameter(torch.randn(4, 8))], ns_algorithm="gram", ns_backend=mine)
