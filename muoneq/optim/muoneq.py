@@ -19,8 +19,9 @@ class MuonEq(HybridOrthogonalOptimizer):
     r"""MuonEq: balancing before orthogonalization (Chang et al., 2026).
 
     For every matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient
-    ``G`` one step is Algorithm 1 with the EMA momentum convention (the functions of
-    :mod:`muoneq.functional`, :func:`~muoneq.functional.muoneq_update` for one matrix):
+    ``G`` one step is Algorithm 1 with the EMA momentum convention — what
+    :func:`muoneq.functional.step_stacks` runs (:func:`~muoneq.functional.muoneq_update` for
+    one matrix):
 
     1. ``M ← βM + (1−β)G``; ``M̃ = βM + (1−β)G`` if ``nesterov`` else ``M``;
     2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. (4)): R ``D_r^{-1/2}M̃``,
@@ -65,21 +66,27 @@ class MuonEq(HybridOrthogonalOptimizer):
             (every rank computes every matrix). Row-sharded FSDP2 parameters always gather
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
-            or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
-        workspace_limit: bytes of scratch the stacked path may keep between steps
+            (one matrix per chunk, Newton–Schulz in torch.optim.Muon's operations: with
+            ``mode="none"`` and bf16, its weights bit for bit) or ``"stacked"`` (same-shape
+            matrices in one batched Newton–Schulz call).
+        workspace_limit: bytes of scratch the step may keep between steps
             (``optimizer.workspace_bytes``): chunks of same-shape matrices hold as many as fit
-            (one parameter at least); ``None`` (default): up to 2²⁶ elements per chunk.
+            (one parameter at least); ``"auto"`` (default): twice what torch.optim.Muon's step
+            takes for the largest matrix (:func:`muoneq.optim.plan.muon_step_bytes`);
+            ``None``: no bound (up to 2²⁶ elements per chunk).
+        ns_backend: who runs the Newton–Schulz products: ``"torch"`` (default), ``"triton"``
+            (this project's kernels, CUDA), ``"auto"`` (on a GPU, per shape, the faster that
+            agrees) or a callable ``backend(X, coefficients) -> Tensor``
+            (:data:`muoneq.newton_schulz.NS_BACKENDS`); ``ns_algorithm="gram"`` needs torch's.
         capturable: a step with no host synchronization, which a CUDA graph can capture
             (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
             device tensors, read on the device (change them in place between steps, as LR
-            schedulers do), AdamW's step counters live on the device; matrix groups take the
-            stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
-            matrix given a gradient.
+            schedulers do), AdamW's step counters live on the device (a change in which matrices
+            have a gradient plans the step again: do not capture that step).
         compile: ``torch.compile`` the step (opt-in; rounds slightly differently from eager):
-            on the stacked path each chunk's prologue (``M̃`` staged, DiagPre, the
-            normalization, the cast) and its update, ``fullgraph=True, dynamic=False`` (one
-            graph per shape and stage, compiled at the first step and again after a re-plan;
-            a new ``lr`` compiles nothing); on the per-matrix path Newton–Schulz.
+            each chunk's prologue (``M̃`` staged, DiagPre, the normalization, the cast) and its
+            update, ``fullgraph=True, dynamic=False`` (one graph per shape and stage, compiled
+            at the first step; a new ``lr`` compiles nothing).
         process_group: the group to split replicated matrices over (default: the world).
     """
 
