@@ -45,9 +45,10 @@ from muoneq.optim.plan import (
     GroupStep,
     Segment,
     StackSettings,
-    _chunk,
+    chunk_of,
     is_dtensor,
     local,
+    runs_of,
 )
 
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
@@ -169,7 +170,7 @@ def _owned_chunks(chunks: list[Chunk], owners: list[int], rank: int, settings: S
                                         bank.momentum[lo:hi],
                                         {key: t[lo:hi] for key, t in bank.state.items()}))
         if segments:
-            owned.append(_chunk(segments, settings, workspace))
+            owned.append(chunk_of(segments, settings, workspace))
     return owned
 
 
@@ -307,18 +308,7 @@ class Sharded:
         steps."""
         flags = [id(p) in self.present and (self.everyone or self.owners[id(p)] == peer)
                  for p in bank.params]
-        return _runs(flags)
-
-
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
+        return runs_of(flags)
 
 
 def computed_banks(plan: GroupPlan, exchange) -> list[Bank]:

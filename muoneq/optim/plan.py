@@ -349,10 +349,10 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
         filled = 0
         for bank, split in members:
             count = bank.layout.count
-            for lo, hi in _runs([id(p) in with_grad for p in bank.params]):
+            for lo, hi in runs_of([id(p) in with_grad for p in bank.params]):
                 while lo < hi:
                     if current and filled + count > per_stack:
-                        chunks.append(_chunk(current, settings, workspace))
+                        chunks.append(chunk_of(current, settings, workspace))
                         current, filled = [], 0
                     end = min(hi, lo + max(1, (per_stack - filled) // count))
                     current.append(Segment(bank, split, lo, end, bank.params[lo:end],
@@ -361,11 +361,11 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
                     filled += (end - lo) * count
                     lo = end
         if current:
-            chunks.append(_chunk(current, settings, workspace))
+            chunks.append(chunk_of(current, settings, workspace))
     return chunks
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+def runs_of(flags: list[bool]) -> list[tuple[int, int]]:
     """``(lo, hi)`` of each run of true flags."""
     runs, start = [], None
     for i, flag in enumerate([*flags, False]):
@@ -377,7 +377,8 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def _chunk(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
+def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
+    """A chunk of ``segments`` (same-shape blocks), its buffers reserved in ``workspace``."""
     bank = segments[0].bank
     shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
     chunk = Chunk(shape, lr_scale(shape, settings.lr_adjust), segments,
