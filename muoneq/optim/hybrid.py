@@ -49,7 +49,6 @@ from muoneq.newton_schulz import (
     canonical_backend,
     dtype_name,
     normalize_coefficients,
-    ns_flops,
     ns_settings,
     resolve_dtype,
 )
@@ -363,10 +362,6 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         """The directions of one segment's rows from their Newton–Schulz output ``O``
         ``(k, m, n)`` (NS dtype): what line 13 applies. Default: ``O`` itself."""
         return O
-
-    def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
-        """FLOPs of one direction of a ``shape`` matrix (balances the split between ranks)."""
-        return ns_flops(shape, group["ns_steps"], group.get("ns_algorithm", "standard"))
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
