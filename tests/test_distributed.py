@@ -174,7 +174,8 @@ BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
 def budgets_worker(rank: int, world: int) -> dict:
     """The stacked step's aten operations and allocations after the first step, split between
     DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards, for one
-    and for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, MuonEq-R)."""
+    and for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, MuonEq-R,
+    whole shapes per chunk)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -192,7 +193,8 @@ def budgets_worker(rank: int, world: int) -> dict:
             params = [nn.Parameter(place(v)) for v in values]
             for p, g in zip(params, grads, strict=True):
                 p.grad = place(g)
-            opt = MuonEq(params, lr=0.02, ns_dtype="float32", batching="stacked")
+            opt = MuonEq(params, lr=0.02, ns_dtype="float32", batching="stacked",
+                         workspace_limit=None)
             opt.step()
             seen = dispatched(opt.step)
             results[(path, copies)] = (dict(seen.ops), seen.allocated)
