@@ -1,34 +1,51 @@
-"""MuonEq as functions: Algorithm 1 of the paper for one matrix, line by line, and for a
-model's matrices.
+"""MuonEq as functions: Algorithm 1 of the paper, what the optimizers run.
 
-    muoneq_update(G, M, …)    lines 5–12: the update direction O_t of one matrix
-      M ← βM + (1−β)G             line 5   (in place, ``momentum.lerp_``)
-      nesterov_input(G, M, β)     line 7   M̃ = βM + (1−β)G (Nesterov), else M̃ = M
-      diag_pre(M̃, mode, ε)        line 11  eq. (4), Algorithm 2
-      newton_schulz(M̂, K, …)      line 12  O = NS_K(M̂)      (:mod:`muoneq.newton_schulz`)
-    update_parameter(X, O, …)   line 13  X ← (1 − ηλ)X − a·η·O,  a = lr_scale(shape)
+    muoneq_update(G, M, …)      lines 5–12 for one matrix: the update direction O_t
+      M ← βM + (1−β)G               line 5   (in place, ``momentum.lerp_``)
+      nesterov_input(G, M, β)       line 7   M̃ = βM + (1−β)G (Nesterov), else M̃ = M
+      diag_pre(M̃, mode, ε)          line 11  eq. (4), Algorithm 2 (a matrix or a stack)
+      NS_K                          line 12  (:mod:`muoneq.newton_schulz`)
+    update_parameter(X, O, …)     line 13  X ← (1 − ηλ)X − a·η·O,  a = lr_scale(shape)
 
-:class:`muoneq.MuonEq`'s step runs these same functions for every matrix of a model, as
-``torch.optim.Muon.step`` runs ``muon()``: :func:`momentum_input` (lines 6–10),
-:func:`directions` (lines 11–12 for each matrix of each stored parameter, one at a time or as
-stacks of same-shape matrices: :func:`equilibrate`, then the group's validated
-Newton–Schulz, :func:`muoneq.newton_schulz.orthogonalizer`) and :func:`apply_update`
-(line 13, block by block). Their optional ``out=``/workspace buffers change where results are
-written, not what is computed. Conv filters are matrices viewed as ``(out, in·kh·kw)``
-(:func:`matrix_shape`); weights stored otherwise (transposed, expert banks, fused blocks) are
-cut into their matrices by :mod:`muoneq.layout`.
+    step_stacks(…)              Algorithm 1 for every matrix of a planned param group: what
+                                ``optimizer.step()`` calls, as torch.optim.Muon.step calls muon()
+      line 5 for every matrix at once, then per chunk of same-shape matrices
+      prologue(chunk, …)            lines 6–11: M̃ staged, the method's prepare, diag_pre
+                                    (written once in the NS dtype, normalized for NS)
+      chunk.iteration.iterate(…)    line 12: the chunk's Newton–Schulz backend
+      finished(chunk, …)            the method's finish (NorMuon's, Muon+'s, …)
+      update(chunk, …)              line 13
+
+A single matrix is a stack of one: ``muoneq_update`` runs the same ``diag_pre`` and the same
+iterations as the optimizer. The chunks, their buffers and update lists are planned once by
+:mod:`muoneq.optim.plan`; their ``out=`` buffers change where results are written, not what is
+computed. Conv filters are matrices viewed as ``(out, in·kh·kw)`` (:func:`matrix_shape`);
+weights stored otherwise (transposed, expert banks, fused blocks) are cut into their matrices by
+:mod:`muoneq.layout`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Workspace, newton_schulz, resolve_dtype
+from muoneq.newton_schulz import (
+    NORM_EPS,
+    NSSettings,
+    buffers_for,
+    iteration_for,
+    normalize,
+    ns_settings,
+    resolve_dtype,
+)
+
+if TYPE_CHECKING:
+    from muoneq.optim.plan import Chunk, Segment
 
 #: DiagPre modes (eq. (4)); ``"none"`` is plain Muon.
 MODES = ("none", "R", "C", "RC")
@@ -43,34 +60,10 @@ _ALIASES = {
     "rowcol": "RC",
     "row_col": "RC",
 }
+#: DiagPre's sides per mode: the dimension summed for ``D_r`` (-1) and ``D_c`` (-2).
+SIDES = {"none": (), "R": (-1,), "C": (-2,), "RC": (-1, -2)}
 #: The shape factor ``a`` of the update (:func:`lr_scale`).
 LR_ADJUST = ("rms", "spectral", "spectral_unclamped", "none")
-
-
-def muoneq_update(
-    grad: Tensor,
-    momentum: Tensor,
-    *,
-    beta: float = 0.95,
-    nesterov: bool = True,
-    mode: str = "R",
-    eps: float = 1e-8,
-    ns_steps: int = 5,
-    ns_coefficients="quintic",
-    ns_dtype: torch.dtype | str = "auto",
-) -> Tensor:
-    """Algorithm 1, lines 5–12, for one m×n matrix: update ``momentum`` in place and return
-    the direction ``O_t`` (in ``ns_dtype``; apply it with :func:`update_parameter`)."""
-    momentum.lerp_(grad, 1 - beta)                                               # line 5
-    m_tilde = nesterov_input(grad, momentum, beta) if nesterov else momentum     # lines 6–10
-    balanced = diag_pre(m_tilde, mode, eps)                                      # line 11
-    return newton_schulz(balanced, ns_steps, ns_coefficients, ns_dtype)          # line 12
-
-
-def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, *,
-                   out: Tensor | None = None) -> Tensor:
-    """Line 7: ``M̃ = βM + (1−β)G`` — ``lerp(G, M, β)``, as torch.optim.Muon writes it."""
-    return torch.lerp(grad, momentum, beta, out=out)
 
 
 def canonical_mode(mode) -> str:
@@ -84,49 +77,6 @@ def canonical_mode(mode) -> str:
             "case-insensitive"
         )
     return _ALIASES[key]
-
-
-def pinv_rsqrt(d: Tensor) -> Tensor:
-    """``d^{-1/2}`` with the pseudo-inverse convention ``0 ↦ 0`` (Remark 3.3)."""
-    return torch.where(d > 0, d.rsqrt(), 0.0)
-
-
-def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
-             dtype: torch.dtype | str | None = None, out: Tensor | None = None,
-             overwrite: bool = False, scratch: Tensor | None = None) -> Tensor:
-    """DiagPre (line 11, eq. (4), Algorithm 2) of a matrix or a batch
-    ``(..., m, n)``:
-
-        D_r = diag(rowsum(M ⊙ M) + ε),   D_c = diag(colsum(M ⊙ M) + ε)   (both from ``M``)
-        RC: D_r^{-1/2} M D_c^{-1/2},   R: D_r^{-1/2} M,   C: M D_c^{-1/2},   none: M
-
-    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark 3.3).
-    Sums and scaling run in float32 at least (bf16 sums of squares lose too much); the result
-    is written once, in ``dtype`` (default ``M``'s), into ``out`` when given — the optimizer
-    fuses the cast to the Newton–Schulz dtype this way. ``overwrite`` lets the scaling happen
-    in ``M`` itself (scratch); column sums square ``M`` into ``scratch`` first (float32 at
-    least, ``M``'s shape; allocated when not given).
-    """
-    mode = canonical_mode(mode)
-    dtype = M.dtype if dtype is None else resolve_dtype(dtype, M.device)
-    if out is None:
-        out = torch.empty(M.shape, dtype=dtype, device=M.device)
-    if mode == "none":
-        return out.copy_(M)
-    work = M if M.dtype in (torch.float32, torch.float64) else M.float()
-    scales = []
-    if mode in ("R", "RC"):
-        scales.append(torch.linalg.vector_norm(work, dim=-1, keepdim=True).square_())
-    if mode in ("C", "RC"):
-        # square, then sum: torch's norm over the strided dimension is ~9× slower on CPU
-        scales.append(torch.square(work, out=scratch).sum(dim=-2, keepdim=True))
-    scales = [pinv_rsqrt(d.add_(eps)) for d in scales]
-    inplace = overwrite or work is not M
-    if len(scales) == 2:
-        work = work.mul_(scales[0]) if inplace else work * scales[0]
-    if inplace and out.dtype != work.dtype:  # torch.mul(out=) would allocate the cast
-        return out.copy_(work.mul_(scales[-1]))
-    return torch.mul(work, scales[-1], out=out)
 
 
 def matrix_shape(p: Tensor) -> tuple[int, int]:
@@ -153,6 +103,159 @@ def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
     raise ValueError(f"lr_adjust: unknown value {lr_adjust!r}; allowed: {', '.join(LR_ADJUST)}")
 
 
+# ----------------------------------------------------------------------------- one matrix
+def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, *,
+                   out: Tensor | None = None) -> Tensor:
+    """Line 7: ``M̃ = βM + (1−β)G`` — ``lerp(G, M, β)``, as torch.optim.Muon writes it."""
+    return torch.lerp(grad, momentum, beta, out=out)
+
+
+@dataclass(frozen=True)
+class DiagPreBuffers:
+    """Scratch of :func:`diag_pre` on a stack ``(k, m, n)``: per side (-1: rows, -2: columns)
+    the sums of squares, ``sums + ε`` and the scales; ``squares`` (the column sums' scratch) and
+    ``scaled`` (RC's ``D_r^{-1/2}M̃``), both ``(k, m, n)`` in the accumulation dtype; ``norm``,
+    ``(k, 1, 1)`` (:func:`diag_pre_requests`)."""
+
+    sums: dict[int, Tensor]
+    shifted: dict[int, Tensor]
+    scales: dict[int, Tensor]
+    squares: Tensor | None
+    scaled: Tensor | None
+    norm: Tensor
+
+
+def diag_pre_requests(count: int, shape: tuple[int, int], mode: str, accumulate: torch.dtype,
+                      dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of the :class:`DiagPreBuffers` of ``count`` matrices (``dtype``:
+    the result's; R's and C's norm is taken in ``accumulate``, from the sums) — ``scaled`` is
+    the caller's (the plan gives RC its chunk's stack)."""
+    rows, n = shape
+    requests = []
+    for dim in SIDES[mode]:
+        side = (count, rows, 1) if dim == -1 else (count, 1, n)
+        requests += [(f"{name}{dim}", side, accumulate) for name in ("sums", "shifted", "scales")]
+        if dim == -2:
+            requests.append(("squares", (count, rows, n), accumulate))
+    requests.append(("norm", (count, 1, 1), accumulate if mode in ("R", "C") else dtype))
+    return requests
+
+
+def diag_pre_buffers(taken: dict[str, Tensor], mode: str,
+                     scaled: Tensor | None = None) -> DiagPreBuffers:
+    """The :class:`DiagPreBuffers` among ``taken`` (buffers of :func:`diag_pre_requests`)."""
+    sides = SIDES[mode]
+    return DiagPreBuffers({d: taken[f"sums{d}"] for d in sides},
+                          {d: taken[f"shifted{d}"] for d in sides},
+                          {d: taken[f"scales{d}"] for d in sides}, taken.get("squares"),
+                          scaled, taken["norm"])
+
+
+def diag_pre(M: Tensor, mode: str = "R", eps: float = 1e-8, *,
+             dtype: torch.dtype | str | None = None, out: Tensor | None = None,
+             buffers: DiagPreBuffers | None = None, normalize_for: float | None = None
+             ) -> Tensor:
+    """DiagPre (line 11, eq. (4), Algorithm 2) of a matrix or a stack ``(..., m, n)``:
+
+        D_r = diag(rowsum(M ⊙ M) + ε),   D_c = diag(colsum(M ⊙ M) + ε)   (both from ``M``)
+        RC: D_r^{-1/2} M D_c^{-1/2},   R: D_r^{-1/2} M,   C: M D_c^{-1/2},   none: M
+
+    With ``ε = 0`` a zero row (column) stays zero (pseudo-inverse, Remark 3.3). Sums and scaling
+    run in float32 at least (bf16 sums of squares lose too much); the result is written once,
+    in ``dtype`` (default ``M``'s), into ``out`` when given. ``M`` is read only.
+
+    ``normalize_for=s`` also scales the result for Newton–Schulz, ``X₀ = M̂/max(s·‖M̂‖_F,
+    ε_NS)`` per matrix, in the same write: for R (and C) the norm needs no pass over the
+    matrix, ``‖D_r^{-1/2}M‖²_F = Σᵢ rᵢ/(rᵢ+ε)`` from the row sums ``rᵢ`` (zero rows add 0),
+    folded into the scale vector; RC and none compute it. The optimizer's step calls this with
+    its chunk's buffers (``buffers``); without them they are allocated.
+    """
+    mode = canonical_mode(mode)
+    shape = M.shape
+    dtype = M.dtype if dtype is None else resolve_dtype(dtype, M.device)
+    src = M if M.ndim == 3 else M.reshape(-1, *shape[-2:])
+    if src.dtype not in (torch.float32, torch.float64):
+        src = src.float()
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=M.device)
+    X = out if out.ndim == 3 else out.view(src.shape)
+    if buffers is None:
+        taken = {name: torch.empty(size, dtype=t, device=M.device) for name, size, t in
+                 diag_pre_requests(src.size(0), tuple(src.shape[-2:]), mode, src.dtype, dtype)}
+        buffers = diag_pre_buffers(taken, mode, torch.empty_like(src) if mode == "RC" else None)
+    sides = SIDES[mode]
+    if len(sides) == 1:  # R or C: one scale vector, the norm folded into it
+        (dim,) = sides
+        sums = _sums_of_squares(src, dim, buffers)
+        scales = _inverse_roots(sums, buffers.shifted[dim], buffers.scales[dim], eps)
+        if normalize_for is not None:
+            ratios = (sums.div_(buffers.shifted[dim]) if eps > 0
+                      else sums.mul_(scales).mul_(scales))
+            norm = torch.sum(ratios, dim=(-2, -1), keepdim=True, out=buffers.norm).sqrt_()
+            if normalize_for != 1:
+                norm.mul_(normalize_for)
+            scales.div_(norm.clamp_(min=NORM_EPS))
+        torch.mul(src, scales, out=X)
+        return out
+    if sides:  # RC: both scales from the unscaled M, then the norm of the result
+        rows = _inverse_roots(_sums_of_squares(src, -1, buffers), buffers.shifted[-1],
+                              buffers.scales[-1], eps)
+        cols = _inverse_roots(_sums_of_squares(src, -2, buffers), buffers.shifted[-2],
+                              buffers.scales[-2], eps)
+        torch.mul(torch.mul(src, rows, out=buffers.scaled), cols, out=X)
+    elif X is not src:
+        X.copy_(src)
+    if normalize_for is not None:
+        normalize(X, normalize_for, norm=buffers.norm)
+    return out
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` are views of the same elements (no operation dispatched)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _sums_of_squares(src: Tensor, dim: int, buffers: DiagPreBuffers) -> Tensor:
+    """``Σ M²`` along ``dim`` (-1: each row's, -2: each column's); columns square into
+    scratch first (torch's norm over the strided dimension is ~9× slower on CPU)."""
+    out = buffers.sums[dim]
+    if dim == -1:
+        return torch.linalg.vector_norm(src, dim=-1, keepdim=True, out=out).square_()
+    return torch.sum(torch.square(src, out=buffers.squares), dim=-2, keepdim=True, out=out)
+
+
+def _inverse_roots(sums: Tensor, shifted: Tensor, out: Tensor, eps: float) -> Tensor:
+    """``(sums + ε)^{-1/2}`` into ``out`` (``shifted`` keeps ``sums + ε``); with ``ε = 0`` a
+    zero sum gives 0, the pseudo-inverse of Remark 3.3."""
+    torch.rsqrt(torch.add(sums, eps, out=shifted), out=out)
+    return out.nan_to_num_(nan=0.0, posinf=0.0) if eps == 0 else out
+
+
+def muoneq_update(
+    grad: Tensor,
+    momentum: Tensor,
+    *,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    mode: str = "R",
+    eps: float = 1e-8,
+    ns_steps: int = 5,
+    ns_coefficients="quintic",
+    ns_dtype: torch.dtype | str = "auto",
+) -> Tensor:
+    """Algorithm 1, lines 5–12, for one m×n matrix: update ``momentum`` in place and return
+    the direction ``O_t`` (in ``ns_dtype``; apply it with :func:`update_parameter`). The
+    functions of the optimizer's step, on a stack of one matrix."""
+    momentum.lerp_(grad, 1 - beta)                                               # line 5
+    m_tilde = nesterov_input(grad, momentum, beta) if nesterov else momentum     # lines 6–10
+    ns = ns_settings(ns_steps, ns_coefficients, ns_dtype, device=grad.device)
+    X = diag_pre(m_tilde[None], mode, eps, dtype=ns.dtype,                       # line 11
+                 normalize_for=ns.schedule.norm_scale)
+    iteration = iteration_for(ns, tuple(m_tilde.shape), per_matrix=True)         # line 12
+    return iteration.iterate(X, ns.schedule.coefficients, buffers_for(iteration, X))[0]
+
+
 def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_decay: float,
                      scale: float, buffer: Tensor | None = None) -> None:
     """Line 13: ``X ← (1 − η·λ)·X − a·η·O`` in place (decoupled weight decay, unscaled ``η``).
@@ -164,70 +267,137 @@ def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_deca
         param.mul_(1 - lr * weight_decay)
     direction = direction.reshape(param.shape)
     if direction.dtype != param.dtype and buffer is not None:
-        if buffer.untyped_storage().data_ptr() != direction.untyped_storage().data_ptr():
-            direction = buffer.copy_(direction)
+        direction = buffer.copy_(direction)
     param.add_(direction, alpha=-lr * scale)
 
 
-# ----------------------------------------------------------------------------- a model's matrices
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What lines 5–13 read from one param group (the executors never see the group)."""
+# ----------------------------------------------------------------------------- a planned group
+class Rule(Protocol):
+    """A method's map around Newton–Schulz (every optimizer of :mod:`muoneq.optim`), batched
+    over the rows of a chunk that belong to one :class:`~muoneq.optim.plan.Segment`."""
 
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    lr_adjust: str
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor: ...
+
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor: ...
 
 
-def momentum_input(grad: Tensor, momentum: Tensor, settings: UpdateSettings, *,
-                   out: Tensor) -> Tensor:
-    """Lines 6–10 into ``out``: ``M̃ = lerp(G, M, β)`` with Nesterov, else a copy of ``M``
-    (``M̃`` is scratch a direction may overwrite; the momentum buffer is state)."""
-    if settings.nesterov:
-        return nesterov_input(grad, momentum, settings.momentum, out=out)
-    return out.copy_(momentum)
+def step_stacks(chunks: list[Chunk], params: list[Tensor], grads: list[Tensor],
+                momenta: list[Tensor], *, rule: Rule, group: dict, lr: float | Tensor,
+                weight_decay: float | Tensor, beta: float, nesterov: bool, mode: str,
+                eps: float, ns: NSSettings, decay: Tensor | None = None,
+                compiled: dict | None = None) -> None:
+    """Algorithm 1 for every matrix of a planned group (the module docstring's outline):
+    ``params``, ``grads`` and ``momenta`` of the matrices with a gradient, in the plan's order,
+    ``chunks`` their stacks (:mod:`muoneq.optim.plan`). ``compiled``: ``torch.compile``'d
+    prologues and updates by ``(stage, shape)`` (``compile=True``)."""
+    decay_weights(params, lr, weight_decay, decay)                  # line 13's (1 − ηλ), first
+    torch._foreach_lerp_(momenta, grads, 1 - beta)                  # line 5, every matrix
+    stage_banks(chunks, nesterov, beta)
+    compiled = compiled or {}
+    for chunk in chunks:
+        X = compiled.get(("prologue", chunk.shape), prologue)(
+            chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
+            norm_scale=ns.schedule.norm_scale)                      # lines 6–11
+        O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)  # line 12
+        directions = finished(chunk, O, rule, group)
+        update(chunk, directions, lr, compiled.get(("update", chunk.shape)))  # line 13
 
 
-def equilibrate(m_tilde: Tensor, *, mode: str, eps: float, dtype: torch.dtype,
-                workspace: Workspace | None) -> Tensor:
-    """Line 11 as the optimizer runs it: :func:`diag_pre` of ``M̃`` (scratch, scaled in place),
-    written once in the Newton–Schulz ``dtype``; a single matrix's result and column squares
-    live in ``workspace`` (a stack, or no workspace, allocates its own)."""
-    out = scratch = None
-    if workspace is not None and m_tilde.ndim == 2:
-        out = workspace.take("balanced", m_tilde.shape, dtype, m_tilde.device)
-        if mode in ("C", "RC"):
-            scratch = workspace.take("squares", m_tilde.shape,
-                                     torch.promote_types(m_tilde.dtype, torch.float32),
-                                     m_tilde.device)
-    return diag_pre(m_tilde, mode, eps, dtype=dtype, out=out, overwrite=True, scratch=scratch)
+def decay_weights(params: list[Tensor], lr: float | Tensor, weight_decay: float | Tensor,
+                  out: Tensor | None) -> None:
+    """Line 13's ``X ← (1 − η·λ)·X`` for every parameter (one foreach call); with a tensor
+    ``η`` or ``λ`` (``capturable``) the factor is computed on the device into ``out``."""
+    if not isinstance(lr, Tensor) and not isinstance(weight_decay, Tensor):
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        return
+    first, second = (lr, weight_decay) if isinstance(lr, Tensor) else (weight_decay, lr)
+    torch._foreach_mul_(params, torch.mul(first, second, out=out).neg_().add_(1))
 
 
-def apply_update(value: Tensor, direction: Tensor, layout: MatrixLayout,
-                 settings: UpdateSettings, *, start: int = 0,
-                 workspace: Workspace | None = None) -> None:
-    """Line 13 on ``value`` (the stored parameter, or rows ``start:`` of it held by this rank),
-    ``direction`` in the stored layout (a direction in another dtype is cast into the
-    workspace's ``M̃`` buffer, free by now).
+def stage_banks(chunks: list[Chunk], nesterov: bool, beta: float) -> None:
+    """Line 7 for the banks whose ``M̃`` is formed outside the stacks (stored other than
+    ``(out, in·…)``, or below float32): the gradients gathered into the bank's ``gather``, then
+    ``M̃ = lerp(G, M, β)`` there (with the momentum already updated)."""
+    if not nesterov:
+        return
+    for bank in dict.fromkeys(s.bank for c in chunks for s in c.segments
+                              if not (s.bank.in_place or s.bank.assembled)):
+        torch.stack([p.grad for p in bank.params], out=bank.gather)
+        bank.gather.lerp_(bank.momentum, beta)
 
-    Each block of the layout is updated with the shape factor of its own ``(rows, n)``, on a
-    contiguous ``(rows, in, k…)`` copy when the stored block is not one, so that it gets
-    exactly the update of the same weights stored as an ``nn.Linear``.
-    """
-    if layout.plain:
-        pieces = [(layout.matrix, value, direction)]
+
+def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: float, eps: float,
+             mode: str, norm_scale: float) -> Tensor:
+    """Lines 6–11 and Newton–Schulz's normalization for one chunk: ``M̃`` staged into its stack
+    (Nesterov from the gathered gradients, or copied), each segment's ``rule.prepare``, then
+    :func:`diag_pre` written once in the NS dtype (``chunk.ns_input``)."""
+    for segment in chunk.segments:
+        if segment.gather is not None and nesterov:  # M̃ formed in the stack itself
+            torch.stack([p.grad for p in segment.params], out=segment.gather)
+            segment.gather.lerp_(segment.momentum, beta)
+        elif segment.source is not None:
+            segment.stack.copy_(segment.source)
+    source, whole = chunk.source, len(chunk.segments) == 1
+    for segment in chunk.segments:
+        rows = source if whole else source[segment.rows]
+        out = chunk.stack if whole else chunk.stack[segment.rows]
+        X = rule.prepare(rows, segment, group, out)
+        if X is not rows:  # the method made its own input: the stack holds it
+            if X is not out:
+                out.copy_(X)
+            source = chunk.stack
+    return diag_pre(source, mode, eps, out=chunk.ns_input, buffers=chunk.diag,
+                    normalize_for=norm_scale)
+
+
+def finished(chunk: Chunk, O: Tensor, rule: Rule, group: dict) -> Tensor:
+    """The directions of a chunk from its Newton–Schulz output ``O``: each segment's
+    ``rule.finish``; where one computes anything, the chunk's stack holds the results."""
+    if len(chunk.segments) == 1:
+        D = rule.finish(O, chunk.segments[0], group)
+        return D if D is O or _same(D, chunk.stack) else chunk.stack.copy_(D)
+    parts = [(segment, rows, rule.finish(rows, segment, group))
+             for segment, rows in ((s, O[s.rows]) for s in chunk.segments)]
+    if all(D is rows for _, rows, D in parts):
+        return O
+    for segment, _, D in parts:
+        chunk.stack[segment.rows].copy_(D)
+    return chunk.stack
+
+
+def update(chunk: Chunk, directions: Tensor, lr: float | Tensor,
+           compiled: Callable | None = None) -> None:
+    """Line 13's ``X ← X − a·η·O`` for every matrix of the chunk (the decay came first), read
+    from the buffer of the last iterate where it has the parameters' dtype, else from the
+    chunk's stack (copied there). A tensor ``η`` (``capturable``) scales the directions on the
+    device first, as a compiled :func:`add_directions` does (``compiled``: ``−a·η`` as a
+    tensor, so a new ``η`` compiles nothing)."""
+    if directions is chunk.final and chunk.final_readable:
+        buffer, pick = directions, 0
     else:
-        direction = direction.reshape(value.shape)
-        pieces = [(shape, v, d) for (shape, v), (_, d) in
-                  zip(layout.pieces(value, start), layout.pieces(direction, start),
-                      strict=True)]
-    for shape, target, d in pieces:
-        work = target if target.is_contiguous() else target.contiguous()
-        buffer = None if workspace is None else workspace.take(
-            "m_tilde", work.shape, work.dtype, work.device)
-        update_parameter(work, d, lr=settings.lr, weight_decay=settings.weight_decay,
-                         scale=lr_scale(shape, settings.lr_adjust), buffer=buffer)
-        if work is not target:
-            target.copy_(work)
+        buffer = (chunk.stack if _same(directions, chunk.stack)
+                  else chunk.stack.copy_(directions))
+        pick = 1
+    if isinstance(lr, Tensor):
+        alpha = torch.mul(lr, -chunk.scale, out=chunk.step)
+    elif compiled is not None:
+        alpha = chunk.step.fill_(-lr * chunk.scale)
+    else:
+        alpha = -lr * chunk.scale
+    (compiled or add_directions)(chunk, buffer, pick, alpha)
+
+
+def add_directions(chunk: Chunk, buffer: Tensor, pick: int, alpha: float | Tensor) -> None:
+    """``X ← X + α·O`` from the chunk's directions (``buffer``; ``pick``: which of its update
+    lists read it, 0 the last iterate's, 1 the stack's), a tensor ``α`` multiplied into the
+    directions first; staged banks are written back to their stored layout and updated whole."""
+    if isinstance(alpha, Tensor):
+        buffer.mul_(alpha)
+        alpha = 1.0
+    if chunk.targets:
+        torch._foreach_add_(chunk.targets, chunk.sources[pick], alpha=alpha)
+    for back, pair in chunk.writebacks:
+        back.copy_(pair[pick])
+    for bank_params, found_stored in chunk.completes:
+        torch._foreach_add_(bank_params, found_stored, alpha=alpha)

@@ -17,12 +17,12 @@ Algorithm 1 is stated for an m×n matrix ``X`` that maps ``n`` inputs to ``m`` o
 
 :class:`MatrixLayout` holds these three choices (the param-group keys ``transposed``,
 ``batch_dims`` and ``splits`` of every matrix optimizer here) and is the one place that maps
-between a stored tensor and its blocks: every executor of :mod:`muoneq.optim.executors` reads
-``M̃`` through :meth:`MatrixLayout.matrices`, writes directions back with
-:meth:`MatrixLayout.stored`, and the update (line 13) is applied block by block to the
-stored parameter through :meth:`MatrixLayout.pieces`, each block with the shape factor of
-its own ``(rows, n)``. A block is therefore updated exactly as the same weights would be as a
-separate ``nn.Linear``.
+between a stored tensor and its blocks: the plan (:mod:`muoneq.optim.plan`) stages ``M̃`` of a
+bank into its chunks' stacks through :meth:`MatrixLayout.stacked_blocks` and writes the
+directions back through the same views, and the update (line 13) reaches blocks of several
+shapes, and a sharded parameter's rows (:mod:`muoneq.optim.distributed`), through
+:meth:`MatrixLayout.pieces`, each block with the shape factor of its own ``(rows, n)``. A block
+is therefore updated exactly as the same weights would be as a separate ``nn.Linear``.
 """
 
 from __future__ import annotations

@@ -224,42 +224,60 @@ def ns_flops(shape: Sequence[int], steps: int, algorithm: str = "standard") -> f
     return min(standard, sum(4.0 * m * m * n + (8 * L - 6) * m**3 for L in segments))
 
 
-def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, out: Tensor | None = None,
-                       gram: Tensor | None = None, poly: Tensor | None = None) -> Tensor:
-    """One step ``X ← (a·I + b·A + c·A²)·X`` with ``A = X Xᵀ``, for a wide ``X`` or a stack.
+#: A buffer an iteration asks for: ``(name, shape, dtype)`` (the plan reserves it once).
+Request = tuple[str, tuple[int, ...], torch.dtype]
 
-    The operations and order of ``torch.optim.Muon`` (``addmm``; ``baddbmm`` for stacks), so
-    that the two agree bit for bit. ``out``, ``gram`` and ``poly`` are optional buffers for the
-    new ``X``, ``A`` and ``b·A + c·A²`` (the optimizer's workspace reuses them between steps).
-    """
-    A = torch.matmul(X, X.mT, out=gram)
+
+@dataclass(frozen=True)
+class NSSettings:
+    """A group's Newton–Schulz (line 12) as the step runs it: the resolved schedule, the dtype,
+    the evaluation order (``ns_algorithm``) and who runs the products (``ns_backend``)."""
+
+    schedule: NSSchedule
+    dtype: torch.dtype
+    algorithm: str = "standard"
+    backend: str | Callable = "torch"
+
+
+def ns_settings(steps: int, coefficients, dtype, algorithm: str = "standard",
+                backend="torch", *, device: torch.device | str | None = None) -> NSSettings:
+    """:class:`NSSettings` of a group's ``ns_steps``, ``ns_coefficients``, ``ns_dtype`` (``"auto"``
+    for ``device``), ``ns_algorithm`` and ``ns_backend``, validated."""
+    return NSSettings(resolve_schedule(normalize_coefficients(coefficients, steps), steps),
+                      resolve_dtype(dtype, device), canonical_algorithm(algorithm),
+                      canonical_backend(backend))
+
+
+def normalize(X: Tensor, norm_scale: float = 1.0, *, norm: Tensor | None = None) -> Tensor:
+    """``X ← X / max(s·‖X‖_F, ε)`` for each matrix of ``X`` (``..., m, n``), in place: the input
+    scaling of every iteration here (``s``: the schedule's safety factor; ``ε``:
+    :data:`NORM_EPS`, as torch.optim.Muon clamps), the norm in ``X``'s dtype into ``norm``."""
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, out=norm)
+    if norm_scale != 1:
+        norm.mul_(norm_scale)
+    return X.div_(norm.clamp_(min=NORM_EPS))
+
+
+def newton_schulz_step(X: Tensor, a: float, b: float, c: float, *, Xt: Tensor | None = None,
+                       out: Tensor | None = None, gram: Tensor | None = None,
+                       poly: Tensor | None = None) -> Tensor:
+    """One step of ``NS_K`` on a matrix or a stack, the Gram matrix ``A`` on the smaller side:
+    wide ``X``: ``A = X Xᵀ``, ``X ← a·X + (b·A + c·A²)·X``; tall: ``A = Xᵀ X``,
+    ``X ← a·X + X·(b·A + c·A²)`` (the wide step of ``Xᵀ``, transposed, with no transposed copy).
+
+    On a wide matrix these are torch.optim.Muon's operations in its order (``addmm``), so the two
+    agree bit for bit; a stack runs them batched (``bmm``, ``baddbmm``). ``Xt`` is ``X.mT`` when
+    the caller holds it; ``out``, ``gram``, ``poly`` take the new ``X``, ``A`` and
+    ``b·A + c·A²``."""
+    Xt = X.mT if Xt is None else Xt
+    matmul = torch.mm if X.ndim == 2 else torch.bmm  # no reshaping around them
+    if X.size(-2) > X.size(-1):
+        A = matmul(Xt, X, out=gram)
+        B = _addmm(A, A, A, beta=b, alpha=c, out=poly)
+        return _addmm(X, X, B, beta=a, out=out)
+    A = matmul(X, Xt, out=gram)
     B = _addmm(A, A, A, beta=b, alpha=c, out=poly)
     return _addmm(X, B, X, beta=a, out=out)
-
-
-def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
-                  poly: Tensor) -> Tensor:
-    """Newton–Schulz steps on a normalized stack ``X`` ``(k, m, n)``, three batched products
-    per step, in persistent buffers: the iterate alternates between ``X`` and ``other``, the
-    ``(k, s, s)`` Gram matrix and polynomial (``s = min(m, n)``) live in ``gram`` and ``poly``.
-
-    Tall matrices stay tall: ``A = XᵀX`` and ``X ← a·X + X·B`` are the wide iteration of
-    ``Xᵀ`` transposed, with no transposed copy. Returns the buffer holding the last iterate.
-    """
-    tall = X.size(-2) > X.size(-1)
-    (current, current_t), (following, following_t) = ((X, X.mT), (other, other.mT))
-    for a, b, c in coefficients:
-        if tall:
-            torch.bmm(current_t, current, out=gram)
-            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-            torch.baddbmm(current, current, poly, beta=a, out=following)
-        else:
-            torch.bmm(current, current_t, out=gram)
-            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-            torch.baddbmm(current, poly, current, beta=a, out=following)
-        (current, current_t), (following, following_t) = ((following, following_t),
-                                                          (current, current_t))
-    return current
 
 
 def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
@@ -267,9 +285,153 @@ def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float, alpha: float = 1.0,
     """``beta·C + alpha·(A @ B)``: ``addmm`` for matrices, ``baddbmm`` for stacks."""
     if C.ndim == 2:
         return torch.addmm(C, A, B, beta=beta, alpha=alpha, out=out)
-    if C.ndim == 3:
-        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha, out=out)
-    return torch.add(beta * C, A @ B, alpha=alpha, out=out)
+    return torch.baddbmm(C, A, B, beta=beta, alpha=alpha, out=out)
+
+
+# ----------------------------------------------------------------------------- the backends
+# Every iteration takes a normalized stack ``X`` (k, m, n) in the NS dtype, the per-step
+# coefficients and the buffers it asked for (:meth:`requests`, reserved once by the plan), and
+# returns the last iterate, of ``X``'s shape (it may be ``X`` or one of the buffers).
+class StackIteration:
+    """``ns_backend="torch"`` on a stack: three batched products per step
+    (:func:`newton_schulz_step`), the iterate alternating between ``X`` and ``ns_other``, the
+    ``(k, s, s)`` Gram matrix and polynomial (``s = min(m, n)``) in ``ns_gram``, ``ns_poly``."""
+
+    name = "torch"
+
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype) -> list[Request]:
+        small = min(shape)
+        return [("ns_other", (count, *shape), dtype), ("ns_gram", (count, small, small), dtype),
+                ("ns_poly", (count, small, small), dtype)]
+
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+        other, gram, poly = buffers["ns_other"], buffers["ns_gram"], buffers["ns_poly"]
+        (current, current_t), (following, following_t) = (X, X.mT), (other, other.mT)
+        for a, b, c in coefficients:
+            newton_schulz_step(current, a, b, c, Xt=current_t, out=following, gram=gram,
+                               poly=poly)
+            (current, current_t), (following, following_t) = ((following, following_t),
+                                                              (current, current_t))
+        return current
+
+
+class MatrixIteration:
+    """``ns_backend="torch"`` one matrix at a time, in torch.optim.Muon's operations and order
+    (``batching="per_matrix"``: where our Muon is torch.optim.Muon bit for bit): a tall matrix is
+    iterated as its (strided) wide view, the iterate then alternating between ``ns_other`` and
+    ``X``'s own storage, both wide."""
+
+    name = "torch"
+
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype) -> list[Request]:
+        small, large = sorted(shape)
+        return [("ns_other", (count, small, large), dtype),
+                ("ns_gram", (count, small, small), dtype),
+                ("ns_poly", (count, small, small), dtype)]
+
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+        tall = X.size(-2) > X.size(-1)
+        wide = X.mT if tall else X
+        current, following = wide, buffers["ns_other"]
+        for k, (a, b, c) in enumerate(coefficients):
+            for j in range(X.size(0)):
+                newton_schulz_step(current[j], a, b, c, out=following[j],
+                                   gram=buffers["ns_gram"][j], poly=buffers["ns_poly"][j])
+            if k == 0:  # X's storage is free after the first step: the next wide buffer
+                current, following = following, (wide if wide.is_contiguous()
+                                                  else X.view(following.shape))
+            else:
+                current, following = following, current
+        return current.mT if tall else current
+
+
+class GramIteration:
+    """``ns_algorithm="gram"``: the same polynomial carried on the small Gram matrix
+    (:func:`gram_iterate`), for the shapes where :func:`ns_flops` says it is cheaper; a tall
+    stack is iterated as its wide view."""
+
+    name = "torch"
+
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype) -> list[Request]:
+        small, large = sorted(shape)
+        square, diagonal = (count, small, small), (count, small)
+        accumulate = torch.promote_types(dtype, torch.float32)
+        split = [(f"gram_{name}_{part}", diagonal if part == "diag" else square,
+                  accumulate if part == "diag" else dtype)
+                 for name in ("r", "q", "p", "t") for part in ("diag", "off")]
+        return [*split, ("gram_full", square, accumulate), ("gram_mm", square, dtype),
+                ("gram_x0", (count, small, large), dtype),
+                ("gram_x1", (count, small, large), dtype)]
+
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+        tall = X.size(-2) > X.size(-1)
+        found = gram_iterate(X.mT if tall else X, coefficients, buffers)
+        return found.mT if tall else found
+
+
+class CallableIteration:
+    """A callable ``ns_backend``: ``backend(X, coefficients)`` runs the steps itself and returns
+    the last iterate, of ``X``'s shape (checked)."""
+
+    def __init__(self, backend: Callable[[Tensor, tuple], Tensor]):
+        self.backend = backend
+        self.name = getattr(backend, "__name__", "callable")
+
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype) -> list[Request]:
+        return []
+
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+        found = self.backend(X, coefficients)
+        if not isinstance(found, Tensor) or found.shape != X.shape:
+            raise ValueError(
+                f"ns_backend: the callable returned "
+                f"{tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__}"
+                f" for a stack of shape {tuple(X.shape)}; it must return the last iterate, "
+                "of the same shape"
+            )
+        return found
+
+
+class TritonIteration(StackIteration):
+    """``ns_backend="triton"``: :func:`muoneq.ns_triton.iterate_stack`, in the torch backend's
+    buffers."""
+
+    name = "triton"
+
+    def iterate(self, X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+        from muoneq import ns_triton
+
+        return ns_triton.iterate_stack(X, coefficients, other=buffers["ns_other"],
+                                       gram=buffers["ns_gram"], poly=buffers["ns_poly"])
+
+
+#: The interface every iteration above has (``requests``, ``iterate``, ``name``).
+Iteration = StackIteration | MatrixIteration | GramIteration | CallableIteration
+
+
+def iteration_for(settings: NSSettings, shape: tuple[int, int], *, per_matrix: bool = False
+                  ) -> Iteration:
+    """The iteration a stack of ``shape`` matrices runs (the one seam of Newton–Schulz): the
+    Gram order where ``ns_algorithm="gram"`` and :func:`ns_flops` finds it cheaper, else the
+    group's backend — torch's batched products, or one matrix at a time in torch.optim.Muon's
+    order (``per_matrix``), Triton's kernels, a callable. ``"auto"`` here is torch's (the plan
+    times the candidates on a GPU: :func:`fastest_iteration`)."""
+    steps = settings.schedule.steps
+    backend = settings.backend
+    if settings.algorithm == "gram" and ns_flops(shape, steps, "gram") < ns_flops(shape, steps):
+        return GramIteration()
+    if callable(backend):
+        return CallableIteration(backend)
+    if backend == "triton":
+        return TritonIteration()
+    return MatrixIteration() if per_matrix else StackIteration()
+
+
+def buffers_for(iteration: Iteration, X: Tensor) -> dict[str, Tensor]:
+    """Freshly allocated buffers of ``iteration`` for the stack ``X`` (outside a plan)."""
+    return {name: torch.empty(shape, dtype=dtype, device=X.device)
+            for name, shape, dtype in iteration.requests(X.size(0), tuple(X.shape[-2:]),
+                                                         X.dtype)}
 
 
 def newton_schulz(
@@ -283,82 +445,63 @@ def newton_schulz(
 
     The result has ``G``'s shape and is computed in ``dtype`` (a ``torch.dtype``, its name, or
     ``"auto"``: :data:`AUTO_DTYPE`, for ``G``'s device; returned in that dtype: callers cast
-    when applying the update). ``steps=0`` returns the normalized input. ``algorithm`` is the
-    evaluation order (module docstring).
+    when applying the update), matrix by matrix in torch.optim.Muon's operations
+    (:class:`MatrixIteration`; the Gram order: :class:`GramIteration`). ``steps=0`` returns
+    the normalized input. ``algorithm`` is the evaluation order (module docstring).
     """
     if G.ndim < 2:
         raise ValueError(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
-    return orthogonalizer(steps, coefficients, dtype, algorithm, device=G.device)(G)
+    settings = ns_settings(steps, coefficients, dtype, algorithm, device=G.device)
+    X = _normalized_stack(G, settings)
+    iteration = iteration_for(settings, tuple(X.shape[-2:]), per_matrix=True)
+    found = iteration.iterate(X, settings.schedule.coefficients, buffers_for(iteration, X))
+    return found.reshape(G.shape)
 
 
-def orthogonalizer(steps: int = 5, coefficients="quintic", dtype: torch.dtype | str = AUTO_DTYPE,
-                   algorithm: str = "standard", *, device: torch.device | str | None = None,
-                   run: Callable[..., Tensor] | None = None,
-                   backend: str | Callable = "torch") -> Callable[..., Tensor]:
-    """``NS_K`` with its settings validated once: ``orthogonalize(G, workspace=None)`` is
-    :func:`run_schedule` (or ``run``, e.g. its ``torch.compile``'d form) with the resolved
-    schedule, dtype (``"auto"`` for ``device``), evaluation order and backend (one matrix at
-    a time, ``"auto"`` is ``"torch"``). The one entry to Newton–Schulz of :func:`newton_schulz`
-    and of every optimizer here (once per param group, not per matrix)."""
-    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    backend = canonical_backend(backend)
-    return functools.partial(run or run_schedule, schedule=schedule,
-                             dtype=resolve_dtype(dtype, device),
-                             algorithm=canonical_algorithm(algorithm),
-                             iterate=None if backend in ("torch", "auto") else
-                             backend_iteration(backend))
+def newton_schulz_iterates(
+    G: Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Iterator[Tensor]:
+    """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
 
-
-def run_schedule(G: Tensor, schedule: NSSchedule, dtype: torch.dtype, *,
-                 workspace: Workspace | None = None, algorithm: str = "standard",
-                 iterate: Callable[..., Tensor] | None = None) -> Tensor:
-    """The iteration of :func:`newton_schulz` for a resolved schedule (no validation).
-
-    Free of Python-side caches, so ``torch.compile`` can trace it (``MuonEq(compile=True)``).
-    With a ``workspace`` a matrix is iterated in its reused buffers (``G`` itself is normalized
-    in place when it already has ``dtype``): the result is valid until the workspace's next
-    Newton–Schulz call. ``algorithm="gram"`` switches to :func:`gram_iterate` where that needs
-    fewer FLOPs (canonical name expected); otherwise ``iterate`` (a backend's stacked iteration,
-    :func:`backend_iteration`) runs the steps, or, by default, torch.optim.Muon's operations.
+    One pass records the whole error curve of Theorem 3.1 (the spectral diagnostics use
+    it): :class:`MatrixIteration`, one step at a time (the same operations on the same
+    values), so the last equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
     """
-    X, transposed = _normalized_wide(G, dtype, schedule.norm_scale, in_place=workspace is not None)
-    steps = schedule.steps
-    if algorithm == "gram" and ns_flops(X.shape, steps, "gram") < ns_flops(X.shape, steps):
-        X = gram_iterate(X, schedule.coefficients, workspace)
-    elif iterate is not None:
-        X = _iterate_as_stack(X, schedule.coefficients, iterate, workspace)
-    else:
-        buffers = workspace is not None and X.ndim == 2
-        for k, (a, b, c) in enumerate(schedule.coefficients):
-            X = newton_schulz_step(X, a, b, c, **(_buffers(workspace, X, k) if buffers else {}))
-    return X.mT if transposed else X
+    if G.ndim < 2:
+        raise ValueError(
+            f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
+        )
+    settings = ns_settings(steps, coefficients, dtype, device=G.device)
+    X = _normalized_stack(G, settings)
+    yield X.clone().reshape(G.shape)
+    iteration = MatrixIteration()
+    for coefficients in settings.schedule.coefficients:
+        X = iteration.iterate(X, (coefficients,), buffers_for(iteration, X))
+        yield X.clone().reshape(G.shape)
 
 
-def _iterate_as_stack(X: Tensor, coefficients, iterate: Callable[..., Tensor],
-                      workspace: Workspace | None) -> Tensor:
-    """A backend's stacked iteration on a normalized matrix or batch ``X`` (as one stack)."""
-    stack = X.reshape(-1, *X.shape[-2:])
-    small = min(stack.shape[-2:])
-    shapes = {"ns_x1": stack.shape, "ns_gram": (stack.shape[0], small, small),
-              "ns_poly": (stack.shape[0], small, small)}
-    buffers = {name: torch.empty(shape, dtype=X.dtype, device=X.device) if workspace is None
-               else workspace.take(name, shape, X.dtype, X.device)
-               for name, shape in shapes.items()}
-    found = iterate(stack, coefficients, other=buffers["ns_x1"], gram=buffers["ns_gram"],
-                    poly=buffers["ns_poly"])
-    return found.reshape(X.shape)
+def _normalized_stack(G: Tensor, settings: NSSettings) -> Tensor:
+    """``X_0``: a copy of ``G`` in the NS dtype as a stack ``(k, m, n)``, scaled by
+    :func:`normalize`."""
+    X = G.to(settings.dtype, copy=True).reshape(-1, *G.shape[-2:])
+    return normalize(X, settings.schedule.norm_scale)
 
 
 #: ``ns_backend``: who runs the Newton–Schulz products. ``"torch"``: batched torch matmuls
-#: (torch.optim.Muon's operations one matrix at a time); ``"triton"``: this project's kernels
-#: (:mod:`muoneq.ns_triton`: symmetric products computed as one triangle, the polynomial and
-#: its application fused); ``"auto"``: on a GPU, per stack shape, whichever of the two a one-off
-#: timing finds faster (Triton only when it also agrees with torch), torch elsewhere. A callable
-#: ``backend(X, coefficients) -> Tensor`` runs them itself: ``X`` a normalized stack
-#: ``(k, m, n)`` in the NS dtype (wide or tall), ``coefficients`` the per-step ``(a, b, c)``;
-#: it returns the last iterate, of ``X``'s shape.
+#: (torch.optim.Muon's operations one matrix at a time with ``batching="per_matrix"``);
+#: ``"triton"``: this project's kernels (:mod:`muoneq.ns_triton`: symmetric products computed as
+#: one triangle, the polynomial and its application fused); ``"auto"``: on a GPU, per stack
+#: shape, whichever of the two a one-off timing finds faster (Triton only when it also agrees
+#: with torch), torch elsewhere. A callable ``backend(X, coefficients) -> Tensor`` runs them
+#: itself: ``X`` a normalized stack ``(k, m, n)`` in the NS dtype (wide or tall),
+#: ``coefficients`` the per-step ``(a, b, c)``; it returns the last iterate, of ``X``'s shape.
+#: A backend other than torch runs the standard order only (``ns_algorithm="gram"`` with it is
+#: refused).
 NS_BACKENDS = ("torch", "triton", "auto")
 #: An ``ns_backend`` value: a name of :data:`NS_BACKENDS` or a callable backend.
 Backend = str | Callable[[Tensor, tuple[tuple[float, float, float], ...]], Tensor]
@@ -377,32 +520,8 @@ def canonical_backend(backend):
     )
 
 
-def backend_iteration(backend) -> Callable[..., Tensor]:
-    """The stacked iteration of a backend other than ``"auto"``, with the signature of
-    :func:`iterate_stack` (``iterate(X, coefficients, *, other, gram, poly)``)."""
-    if backend == "torch":
-        return iterate_stack
-    if backend == "triton":
-        from muoneq import ns_triton
-
-        return ns_triton.iterate_stack
-
-    def iterate(X: Tensor, coefficients, **buffers) -> Tensor:
-        found = backend(X, coefficients)
-        if not isinstance(found, Tensor) or found.shape != X.shape:
-            raise ValueError(
-                f"ns_backend: the callable returned "
-                f"{tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__}"
-                f" for a stack of shape {tuple(X.shape)}; it must return the last iterate, "
-                "of the same shape"
-            )
-        return found
-
-    return iterate
-
-
-def fastest_iteration(candidates: dict[str, Callable[..., Tensor]], X: Tensor, coefficients, *,
-                      other: Tensor, gram: Tensor, poly: Tensor, repeats: int = 5,
+def fastest_iteration(candidates: dict[str, Iteration], X: Tensor, coefficients,
+                      buffers: dict[str, Tensor], *, repeats: int = 5,
                       time_of: Callable[[Callable[[], object]], float] | None = None) -> str:
     """``ns_backend="auto"`` on one stack shape: the name of the candidate whose iteration of a
     random normalized stack in ``X``'s buffers is fastest (median of ``repeats`` timings after a
@@ -413,24 +532,23 @@ def fastest_iteration(candidates: dict[str, Callable[..., Tensor]], X: Tensor, c
     gen = torch.Generator(device=X.device).manual_seed(0)
     probe = torch.randn(X.shape, generator=gen, device=X.device, dtype=torch.float32)
     probe /= probe.norm(dim=(-2, -1), keepdim=True)
-    buffers = {"other": other, "gram": gram, "poly": poly}
 
-    def run(fn: Callable[..., Tensor]) -> Tensor:
+    def run(iteration: Iteration) -> Tensor:
         X.copy_(probe)
-        return fn(X, coefficients, **buffers)
+        return iteration.iterate(X, coefficients, buffers)
 
-    def timed(fn: Callable[..., Tensor]) -> float:
-        return sorted(time_of(lambda: run(fn)) for _ in range(repeats))[repeats // 2]
+    def timed(iteration: Iteration) -> float:
+        return sorted(time_of(lambda: run(iteration)) for _ in range(repeats))[repeats // 2]
 
     reference = run(candidates["torch"]).float().clone()  # also the warm-up
     best, best_time = "torch", timed(candidates["torch"])
-    for name, fn in candidates.items():
+    for name, iteration in candidates.items():
         if name == "torch":
             continue
-        found = run(fn).float()  # the warm-up (compilation, caches), and its agreement
+        found = run(iteration).float()  # the warm-up (compilation, caches), and its agreement
         if (found - reference).norm() > AGREEMENT[X.dtype] * reference.norm():
             continue
-        elapsed = timed(fn)
+        elapsed = timed(iteration)
         if elapsed < best_time:
             best, best_time = name, elapsed
     return best
@@ -452,53 +570,9 @@ def _wall_time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def newton_schulz_iterates(
-    G: Tensor,
-    steps: int = 5,
-    coefficients="quintic",
-    dtype: torch.dtype = torch.bfloat16,
-) -> Iterator[Tensor]:
-    """Yield every iterate ``X_0, X_1, …, X_K`` of :func:`newton_schulz`, in ``G``'s orientation.
-
-    One pass records the whole error curve of Theorem 3.1 (the spectral diagnostics use
-    it); it performs the same operations in the same order as :func:`newton_schulz`, so the
-    last iterate equals ``newton_schulz(G, steps, coefficients, dtype)`` bit for bit.
-    """
-    if G.ndim < 2:
-        raise ValueError(
-            f"newton_schulz_iterates: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
-        )
-    schedule = resolve_schedule(normalize_coefficients(coefficients, steps), steps)
-    X, transposed = _normalized_wide(G, resolve_dtype(dtype, G.device), schedule.norm_scale)
-    yield X.mT if transposed else X
-    for a, b, c in schedule.coefficients:
-        X = newton_schulz_step(X, a, b, c)
-        yield X.mT if transposed else X
-
-
-def _normalized_wide(G: Tensor, dtype: torch.dtype, norm_scale: float,
-                     in_place: bool = False) -> tuple[Tensor, bool]:
-    """``X_0 = G/‖G‖_F`` in ``dtype`` (the norm times the schedule's safety factor, clamped at
-    :data:`NORM_EPS` as torch.optim.Muon does), tall matrices transposed to wide; ``in_place``
-    divides ``G`` itself when it already has ``dtype``."""
-    X = G.to(dtype)
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        X = X.mT
-    scale = (X.norm(dim=(-2, -1), keepdim=True) * norm_scale).clamp(min=NORM_EPS)
-    return (X.div_(scale) if in_place else X / scale), transposed
-
-
-def _buffers(workspace: Workspace, X: Tensor, k: int) -> dict[str, Tensor]:
-    """Step ``k``'s buffers for a wide matrix ``X``: the iterate alternates between two."""
-    m, n = X.shape
-    take = functools.partial(workspace.take, dtype=X.dtype, device=X.device)
-    return {"gram": take("ns_gram", (m, m)), "poly": take("ns_poly", (m, m)),
-            "out": take(f"ns_x{k % 2}", (m, n))}
-
-
-def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) -> Tensor:
-    """Newton–Schulz steps on a normalized wide ``X`` (..., m ≤ n) carried in Gram space.
+def gram_iterate(X: Tensor, coefficients, buffers: dict[str, Tensor]) -> Tensor:
+    """Newton–Schulz steps on a normalized wide stack ``X`` (k, m ≤ n) carried in Gram space, in
+    the buffers :meth:`GramIteration.requests` names.
 
     Per segment of at most :data:`GRAM_RESTART` steps: ``R = X Xᵀ``; each step forms
     ``P = a·I + b·R + c·R²``, multiplies ``Q ← Q P`` (all factors are polynomials in the
@@ -507,28 +581,16 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
     diagonal in float32, its off-diagonal part in ``X``'s dtype. The diagonal dominates these
     matrices, and rounding it to bf16 at every product is what made the plain Gram order less
     accurate than the standard one; split, it is more accurate (:data:`GRAM_RESTART`). The
-    products cost the same matmuls plus a few element-wise passes. With a ``workspace`` every
-    temporary lives in its reused buffers.
+    products cost the same matmuls plus a few element-wise passes.
     """
-    shape = X.shape
-    if X.ndim > 3:
-        X = X.reshape(-1, *shape[-2:])
-    square, diag_shape = (*X.shape[:-1], X.size(-2)), X.shape[:-1]
-    acc = torch.promote_types(X.dtype, torch.float32)
-
-    def take(name: str, size, dtype: torch.dtype = X.dtype) -> Tensor:
-        if workspace is None:
-            return torch.empty(size, dtype=dtype, device=X.device)
-        return workspace.take(name, size, dtype, X.device)
+    full, scratch = buffers["gram_full"], buffers["gram_mm"]
 
     def split(name: str) -> tuple[Tensor, Tensor]:
-        return take(f"gram_{name}_diag", diag_shape, acc), take(f"gram_{name}_off", square)
-
-    full = take("gram_full", square, acc)  # one product, whole, in float32
+        return buffers[f"gram_{name}_diag"], buffers[f"gram_{name}_off"]
 
     def product(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tensor:
         """``full ← (diag(a₀) + a₁)(diag(b₀) + b₁)``."""
-        full.copy_(torch.matmul(a[1], b[1], out=take("gram_mm", square)))
+        full.copy_(torch.bmm(a[1], b[1], out=scratch))
         full.addcmul_(a[0].unsqueeze(-1), b[1]).addcmul_(a[1], b[0].unsqueeze(-2))
         _diagonal(full).addcmul_(a[0], b[0])
         return full
@@ -543,8 +605,8 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
     for s, start in enumerate(range(0, len(coefficients), GRAM_RESTART)):
         segment = coefficients[start : start + GRAM_RESTART]
         R = split("r")
-        torch.matmul(X, X.mT, out=R[1])
-        torch.linalg.vector_norm(X, dim=-1, dtype=acc, out=R[0]).square_()
+        torch.bmm(X, X.mT, out=R[1])
+        torch.linalg.vector_norm(X, dim=-1, dtype=R[0].dtype, out=R[0]).square_()
         _diagonal(R[1]).zero_()
         Q = split("q")
         for j, (a, b, c) in enumerate(segment):
@@ -558,9 +620,9 @@ def gram_iterate(X: Tensor, coefficients, workspace: Workspace | None = None) ->
                 product(R, P)
                 product(P, store(split("t")))
                 store(R)
-        out = torch.matmul(Q[1], X, out=take(f"gram_x{s % 2}", X.shape))
+        out = torch.bmm(Q[1], X, out=buffers[("gram_x0", "gram_x1")[s % 2]])
         X = out.addcmul_(Q[0].unsqueeze(-1), X)
-    return X.reshape(shape)
+    return X
 
 
 def _diagonal(t: Tensor) -> Tensor:

@@ -1,42 +1,68 @@
 """Newton–Schulz steps in this project's Triton kernels: ``ns_backend="triton"``.
 
-Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is three
-kernels, each one program per output tile and matrix:
+Each step ``X ← a·X + (b·A + c·A²)·X``, ``A = X·Xᵀ``, of a stack ``(k, m, n)`` is two kernels
+(one program per output tile and matrix) and one batched cuBLAS product:
 
 * :func:`_symmetric_kernel` — ``A = Y·Yᵀ`` for the wide view ``Y`` of each matrix (``X``
   itself, or ``Xᵀ`` for a tall one, read through its strides: tall matrices stay tall in memory
   and ``A`` is the small ``XᵀX``). ``A`` is symmetric: only the tiles on and below the diagonal
   are computed, and their lower triangles stored twice, mirrored (``A`` exactly symmetric);
 * the same kernel, ``B = b·A + c·A·A`` fused (``A·A`` symmetric too: one triangle, mirrored);
-* :func:`_apply_kernel` — ``X' = a·Y + B·Y`` fused, written through the strides of the output
-  (tall again for a tall ``X``).
+* ``X' = a·X + B·X`` on cuBLAS (``torch.baddbmm``) in :func:`iterate_stack`;
+  :func:`_apply_kernel` fuses it (written through the strides of the output, tall again for a
+  tall ``X``), kept to measure against.
 
 Products accumulate in float32 (``tl.dot``), float32 inputs in IEEE precision (no TF32, as
 torch's default matmul), and each result is cast once to the stack's dtype, as cuBLAS does for
-``torch.baddbmm``: the two agree within the rounding of that dtype. The kernels launch on CUDA
-tensors; with ``TRITON_INTERPRET=1`` set before this module is imported, Triton's interpreter
-runs them on CPU tensors (slowly: the tests do), where bf16 operands are widened to float32
-before each product and rounded to nearest on the bits on the way out (Triton 3.8's interpreter
-multiplies bf16 tiles wrongly and truncates float32 to bf16). Tile sizes are fixed, not tuned
-per GPU.
+``torch.baddbmm``: the two agree within the rounding of that dtype. A matrix's offset in the
+stack is computed in 64 bits (a stack can exceed 2³¹ elements). The tiles, warps and pipeline
+stages come from :data:`CONFIGS` by the GPU's compute capability; :data:`CHOSEN` records which
+configuration each device ran. The kernels launch on CUDA tensors; with ``TRITON_INTERPRET=1``
+set before this module is imported, Triton's interpreter runs them on CPU tensors (slowly: the
+tests do, with the interpreter's bf16 products and rounding corrected on their side,
+``tests/helpers/triton_interpreter.py``).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-#: Output tile (rows and columns) and reduction tile of every kernel.
-BLOCK, BLOCK_K = 64, 32
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Output tile (rows and columns), reduction tile, warps and pipeline stages of every
+    kernel, and what chose them."""
+
+    block: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    source: str
+
+
+#: Configurations by CUDA compute capability (major version): Hopper and Blackwell take
+#: 128-wide tiles in 8 warps (modded-nanogpt's H100 tiles), Ampere 64-wide in 4; anything
+#: else, and Triton's interpreter, the 64-wide default. Not autotuned: one configuration per
+#: architecture, recorded in :data:`CHOSEN`.
+CONFIGS = {
+    9: LaunchConfig(128, 64, 8, 4, "sm90 (Hopper)"),
+    10: LaunchConfig(128, 64, 8, 4, "sm100 (Blackwell)"),
+    8: LaunchConfig(64, 32, 4, 3, "sm80 (Ampere)"),
+}
+DEFAULT_CONFIG = LaunchConfig(64, 32, 4, 2, "default")
+#: The configuration each device ran (``str(device)`` → :class:`LaunchConfig`).
+CHOSEN: dict[str, LaunchConfig] = {}
 
 
 @triton.jit
 def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """``Σₖ L[ri, k]·R[k, rj]`` in float32 (``L``: ``rows × inner``, ``R``: ``inner × cols``,
     both through their strides; rows and columns beyond the ends read as 0)."""
     rk = tl.arange(0, BLOCK_K)
@@ -47,8 +73,6 @@ def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl
                        mask=(ri[:, None] < rows) & (kk[None, :] < inner), other=0.0)
         right = tl.load(R + kk[:, None] * r_r + rj[None, :] * r_c,
                         mask=(kk[:, None] < inner) & (rj[None, :] < cols), other=0.0)
-        if EMULATED:
-            left, right = left.to(tl.float32), right.to(tl.float32)
         acc = tl.dot(left, right, acc, input_precision=PRECISION)
     return acc
 
@@ -56,36 +80,25 @@ def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl
 @triton.jit
 def _symmetric_kernel(L, Out, rows, inner, l_b, l_r, l_c, r_r, r_c, o_b, o_r, o_c, coef_b, coef_c,
                       POLYNOMIAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EMULATED: tl.constexpr, PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr):
     """A symmetric product per matrix ``k``, tile ``(i, j)`` for ``i ≥ j`` only, stored at
     ``(i, j)`` and ``(j, i)``: ``Out = L·Lᵀ`` (the Gram matrix; ``Lᵀ`` is ``L`` read with its
     strides ``(r_r, r_c)`` swapped), or with ``POLYNOMIAL`` ``Out = b·L + c·L·L`` for a symmetric
     ``L`` (the polynomial of a Newton–Schulz step)."""
-    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, j = tl.program_id(0), tl.program_id(1)
+    k = tl.program_id(2).to(tl.int64)  # the matrix's offset in the stack: 64-bit
     if j > i:
         return
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
     L += k * l_b
     out = _tile_product(L, l_r, l_c, L, r_r, r_c, ri, rj, rows, rows, inner, BLOCK, BLOCK_K,
-                        EMULATED, PRECISION)
+                        PRECISION)
     if POLYNOMIAL:
         here = tl.load(L + ri[:, None] * l_r + rj[None, :] * l_c,
                        mask=(ri[:, None] < rows) & (rj[None, :] < rows), other=0.0)
         out = coef_b * here.to(tl.float32) + coef_c * out
-    _store_symmetric(Out + k * o_b, _cast(out, Out.dtype.element_ty, EMULATED), ri, rj, rows,
-                     o_r, o_c)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, EMULATED: tl.constexpr):
-    """``x`` (float32) in the output dtype, rounded to nearest even. Triton's interpreter
-    truncates float32 to bf16, so there the rounding is done on the bits first."""
-    if EMULATED:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
+    _store_symmetric(Out + k * o_b, out.to(Out.dtype.element_ty), ri, rj, rows, o_r, o_c)
 
 
 @triton.jit
@@ -99,20 +112,20 @@ def _store_symmetric(T, tile, ri, rj, rows, t_r, t_c):
 
 @triton.jit
 def _apply_kernel(Y, B, Z, rows, cols, y_b, y_r, y_c, b_b, b_r, b_c, z_b, z_r, z_c, coef_a,
-                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATED: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """``Z[k] = a·Y[k] + B[k]·Y[k]`` (``Y``, ``Z``: ``rows × cols``; ``B``: ``rows × rows``)."""
-    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, j = tl.program_id(0), tl.program_id(1)
+    k = tl.program_id(2).to(tl.int64)  # the matrix's offset in the stack: 64-bit
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
     Y += k * y_b
     acc = _tile_product(B + k * b_b, b_r, b_c, Y, y_r, y_c, ri, rj, rows, cols, rows, BLOCK,
-                        BLOCK_K, EMULATED, PRECISION)
+                        BLOCK_K, PRECISION)
     mask = (ri[:, None] < rows) & (rj[None, :] < cols)
     here = tl.load(Y + ri[:, None] * y_r + rj[None, :] * y_c, mask=mask, other=0.0)
     out = coef_a * here.to(tl.float32) + acc
     tl.store(Z + k * z_b + ri[:, None] * z_r + rj[None, :] * z_c,
-             _cast(out, Z.dtype.element_ty, EMULATED), mask=mask)
+             out.to(Z.dtype.element_ty), mask=mask)
 
 
 def _interpreted() -> bool:
@@ -136,6 +149,18 @@ def check_tensor(X: Tensor) -> None:
         )
 
 
+def launch_config(device: torch.device) -> LaunchConfig:
+    """The configuration of ``device``'s architecture (:data:`CONFIGS`), recorded in
+    :data:`CHOSEN`."""
+    key = str(device)
+    if key not in CHOSEN:
+        config = DEFAULT_CONFIG
+        if device.type == "cuda" and not _interpreted():
+            config = CONFIGS.get(torch.cuda.get_device_capability(device)[0], DEFAULT_CONFIG)
+        CHOSEN[key] = config
+    return CHOSEN[key]
+
+
 def _options(X: Tensor) -> dict:
     return _launch_options(X.dtype, X.device)
 
@@ -143,15 +168,16 @@ def _options(X: Tensor) -> dict:
 @functools.cache
 def _launch_options(dtype: torch.dtype, device: torch.device) -> dict:
     check_tensor(torch.empty(0, dtype=dtype, device=device))
-    return {"BLOCK": BLOCK, "BLOCK_K": BLOCK_K,
-            "EMULATED": _interpreted() and dtype == torch.bfloat16,
+    config = launch_config(device)
+    return {"BLOCK": config.block, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
             "PRECISION": "ieee" if dtype == torch.float32 else None}
 
 
 def symmetric_gram(Y: Tensor, out: Tensor) -> Tensor:
     """``out[k] = Y[k]·Y[k]ᵀ`` for a stack ``Y`` ``(k, r, c)`` of any strides."""
     k, rows, inner = Y.shape
-    tiles = triton.cdiv(rows, BLOCK)
+    tiles = triton.cdiv(rows, launch_config(Y.device).block)
     _symmetric_kernel[(tiles, tiles, k)](Y, out, rows, inner, *Y.stride(), Y.stride(2),
                                          Y.stride(1), *out.stride(), 0.0, 0.0, POLYNOMIAL=False,
                                          **_options(Y))
@@ -161,7 +187,7 @@ def symmetric_gram(Y: Tensor, out: Tensor) -> Tensor:
 def symmetric_polynomial(A: Tensor, b: float, c: float, out: Tensor) -> Tensor:
     """``out[k] = b·A[k] + c·A[k]·A[k]`` for a stack of symmetric matrices."""
     k, rows, _ = A.shape
-    tiles = triton.cdiv(rows, BLOCK)
+    tiles = triton.cdiv(rows, launch_config(A.device).block)
     _symmetric_kernel[(tiles, tiles, k)](A, out, rows, rows, *A.stride(), A.stride(1),
                                          A.stride(2), *out.stride(), b, c, POLYNOMIAL=True,
                                          **_options(A))
@@ -171,7 +197,8 @@ def symmetric_polynomial(A: Tensor, b: float, c: float, out: Tensor) -> Tensor:
 def apply_polynomial(Y: Tensor, B: Tensor, a: float, out: Tensor) -> Tensor:
     """``out[k] = a·Y[k] + B[k]·Y[k]`` (``out`` of ``Y``'s shape, any strides)."""
     k, rows, cols = Y.shape
-    grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK), k)
+    block = launch_config(Y.device).block
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block), k)
     _apply_kernel[grid](Y, B, out, rows, cols, *Y.stride(), *B.stride(), *out.stride(), a,
                         **_options(Y))
     return out
@@ -179,16 +206,20 @@ def apply_polynomial(Y: Tensor, B: Tensor, a: float, out: Tensor) -> Tensor:
 
 def iterate_stack(X: Tensor, coefficients, *, other: Tensor, gram: Tensor,
                   poly: Tensor) -> Tensor:
-    """:func:`muoneq.newton_schulz.iterate_stack` in these kernels (same buffers, same
-    result within the rounding of ``X``'s dtype): the iterate alternates between ``X`` and
-    ``other``, a tall stack through its transposed view; returns the buffer of the last."""
+    """Newton–Schulz steps with the symmetric products in these kernels and the third one,
+    ``a·X + B·X``, on cuBLAS (``torch.baddbmm``, as microsoft/dion does; ``X·B`` for a tall
+    stack): :class:`muoneq.newton_schulz.StackIteration`'s buffers, its result within the
+    rounding of ``X``'s dtype. The iterate alternates between ``X`` and ``other``, a tall stack
+    read through its transposed view; returns the buffer of the last.
+    :func:`apply_polynomial` fuses the third product instead (kept for measuring it)."""
     tall = X.size(-2) > X.size(-1)
-    (current, current_wide), (following, following_wide) = (
-        (X, X.mT), (other, other.mT)) if tall else ((X, X), (other, other))
+    current, following = X, other
     for a, b, c in coefficients:
-        symmetric_gram(current_wide, gram)
+        symmetric_gram(current.mT if tall else current, gram)
         symmetric_polynomial(gram, b, c, poly)
-        apply_polynomial(current_wide, poly, a, following_wide)
-        (current, current_wide), (following, following_wide) = (
-            (following, following_wide), (current, current_wide))
+        if tall:
+            torch.baddbmm(current, current, poly, beta=a, out=following)
+        else:
+            torch.baddbmm(current, poly, current, beta=a, out=following)
+        current, following = following, current
     return current

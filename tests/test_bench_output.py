@@ -23,6 +23,8 @@ def result(quick: bool) -> dict:
                        "Muon (ours)": row(24.0, 1.0, 1.0),
                        "MuonEq-R": row(20.0, 0.8, 0.8, "float32")},
         "ddp_split": {"2": {"max_share_over_ideal": 1.0, "within_bound": True}},
+        "workspace": {"contender": "MuonEq-R", "default_mb": 38.3, "chunks": 33,
+                      "torch_peak_extra_mb": 22.5, "over_torch": 1.702},
     }}}
 
 
@@ -37,6 +39,8 @@ def test_headers_name_the_statistic_of_every_column():
     assert "| MuonEq-R | float32 | 20.0 |" in text
     assert "need not equal the ratio of the two ms medians" in text
     assert "smoke" not in text
+    assert ("Default workspace of the stacked step (MuonEq-R): 38.3 MiB in 33 chunks, 1.70× "
+            "torch.optim.Muon's peak extra memory (22.5 MiB)") in text
 
 
 def test_quick_output_says_its_timings_are_smoke_values():

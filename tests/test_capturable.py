@@ -86,25 +86,45 @@ def test_a_new_lr_is_read_without_planning_again():
     assert all(not torch.equal(a, b) for a, b in zip(before, matrices, strict=True))
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"batching": "per_matrix"}, "batching='per_matrix' steps one matrix at a time"),
-    ({"batching": "auto"}, "batching='auto' steps one matrix at a time on a CPU"),
-    ({"batching": "stacked", "compile": True}, "compile=True"),
-])
-def test_capturable_needs_the_stacked_path(options, message):
+def test_the_per_matrix_step_is_capturable_too():
+    """One matrix per chunk (the CPU default) runs the same functions: no host read, and the
+    plain step's weights."""
+    twins = [model_params(), model_params()]
+    lr, weight_decay = torch.tensor(0.02), torch.tensor(0.1)
+    capturable = MuonEq(twins[0][0], lr=lr, weight_decay=weight_decay, batching="per_matrix",
+                        capturable=True)
+    plain = MuonEq(twins[1][0], lr=0.02, weight_decay=0.1, batching="per_matrix")
+    for seed in range(3):
+        for matrices, _ in twins:
+            with_grads(matrices, seed)
+        assert not HOST_READS & set(dispatched(capturable.step).ops)
+        plain.step()
+    for a, b in zip(twins[0][0], twins[1][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_capturable_refuses_compile():
     p = nn.Parameter(torch.randn(4, 4))
-    with pytest.raises(ValueError, match=f"^capturable: only MuonEq's stacked step is "
-                                         f"capturable, and {message}"):
-        MuonEq([p], capturable=True, **options)
+    with pytest.raises(ValueError, match="^capturable: compile=True's graphs are not captured"):
+        MuonEq([p], capturable=True, batching="stacked", compile=True)
 
 
-def test_a_capturable_step_that_cannot_be_stacked_says_why():
-    matrices, _ = model_params()
-    opt = MuonEq(matrices, batching="stacked", capturable=True)
-    with_grads(matrices[1:], 0)  # one matrix without a gradient
-    with pytest.raises(RuntimeError, match=r"^capturable=True: this step cannot take the "
-                                           r"stacked path"):
+def test_a_matrix_without_a_gradient_plans_the_step_again():
+    """The matrices with a gradient are planned again (a new plan allocates its buffers, so do
+    not capture such a step); the others keep their weights and momentum."""
+    twins = [model_params(), model_params()]
+    opts = [MuonEq(twins[0][0], lr=torch.tensor(0.02), batching="stacked", capturable=True),
+            MuonEq(twins[1][0], lr=0.02, batching="stacked")]
+    for (matrices, _), opt in zip(twins, opts, strict=True):
+        with_grads(matrices, 0)
         opt.step()
+        matrices[0].grad = None
+        before = matrices[0].detach().clone()
+        with_grads(matrices[1:], 1)
+        opt.step()
+        assert torch.equal(matrices[0], before)
+    for a, b in zip(twins[0][0], twins[1][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_methods_that_step_matrices_one_at_a_time_refuse_capturable():

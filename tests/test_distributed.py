@@ -23,12 +23,12 @@ from torch import nn
 from muoneq import MuonEq
 from muoneq.newton_schulz import ns_flops
 from muoneq.optim import Mousse, MuonPlus, NorMuon
-from muoneq.optim.executors import balance, shard_rows
+from muoneq.optim.distributed import balance, shard_rows
 from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
 
 WORLD = 2
 STEPS = 3
-#: Methods with state of their own (they override only ``_direction``): never split.
+#: Methods with state of their own (``banked_state``): never split.
 STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
 #: Methods other than MuonEq whose direction depends on ``M̃`` alone: split like MuonEq.
 STATELESS = {"muon_plus": MuonPlus}
@@ -120,15 +120,13 @@ def spawn(worker: str, tmp_path) -> list[dict]:
 class CountingMuonEq(MuonEq):
     """MuonEq that records the FLOPs it orthogonalizes on this rank."""
 
-    stateless_direction = True
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flops = 0.0
 
-    def _direction(self, p, m_tilde, state, group):
-        self.flops += ns_flops(m_tilde.shape[-2:], group["ns_steps"])
-        return super()._direction(p, m_tilde, state, group)
+    def prepare(self, M, segment, group, out):
+        self.flops += M.shape[0] * ns_flops(M.shape[-2:], group["ns_steps"])
+        return M
 
 
 #: (optimizer, distributed=): MuonEq split or not, Muon+ split, and NorMuon (stateful: never
@@ -166,7 +164,41 @@ def ddp_worker(rank: int, world: int) -> dict:
 def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
     """One pair of processes for every layout (process start-up dominates these tests)."""
     return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world),
-            "layouts": layouts_worker(rank, world)}
+            "layouts": layouts_worker(rank, world), "budgets": budgets_worker(rank, world)}
+
+
+#: Matrices of the budget runs: per copy, two shapes (one tall, one wide) × 3 matrices each.
+BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
+
+
+def budgets_worker(rank: int, world: int) -> dict:
+    """The stacked step's aten operations and allocations after the first step, split between
+    DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards, for one
+    and for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, MuonEq-R,
+    whole shapes per chunk)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.helpers.dispatch import dispatched
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for path in ("ddp", "fsdp"):
+        for copies in (2, 6):
+            gen = torch.Generator().manual_seed(0)
+            values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+            grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+            place = ((lambda t: t) if path == "ddp"
+                     else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
+            params = [nn.Parameter(place(v)) for v in values]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = place(g)
+            opt = MuonEq(params, lr=0.02, ns_dtype="float32", batching="stacked",
+                         workspace_limit=None)
+            opt.step()
+            seen = dispatched(opt.step)
+            results[(path, copies)] = (dict(seen.ops), seen.allocated)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +243,35 @@ def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results):
     assert sum(shares) == pytest.approx(sum(costs))
     assert all(share > 0 for share in shares)
     assert max(shares) <= sum(costs) / WORLD + max(costs)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stacked_ddp_run_equals_the_single_process_stacked_run(ddp_results):
+    """Owners step contiguous runs of the same plan: every weight bit for bit as one process."""
+    want = single_process("RC/stacked")
+    for r in range(WORLD):
+        for a, b in zip(ddp_results[r][("RC/stacked", "auto")], want, strict=True):
+            assert torch.equal(a, b)
+
+
+#: aten operations of a DDP-split and of an FSDP2 stacked step on :data:`BUDGET_SHAPES` (the
+#: busier rank's, which steps parts of both shapes; the same for three times the matrices,
+#: whose owners cut the same shapes): the one-process step's prologue, Newton–Schulz and
+#: update, the copies in and out of the exchange buffers and the collectives.
+DISTRIBUTED_BUDGETS = {"ddp": 68, "fsdp": 81}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_a_distributed_stacked_step_keeps_its_budget_and_allocates_nothing(spawned, path):
+    for r in range(WORLD):
+        (ops, allocated), (more_ops, more_allocated) = (spawned[r]["budgets"][(path, copies)]
+                                                        for copies in (2, 6))
+        assert allocated == [] and more_allocated == []
+        assert ops == more_ops, "the operations grow with the shapes, not with the matrices"
+        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path], ops
 
 
 @pytest.mark.distributed

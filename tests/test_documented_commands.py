@@ -470,17 +470,18 @@ def test_the_documented_python_that_reads_a_study_runs(tmp_path, monkeypatch, ca
 # -------------------------------------------------------------------------- documented signature
 def test_readme_signature_of_muoneq_is_the_real_one():
     """The ``MuonEq(...)`` line of ``docs/library.md`` lists exactly
-    ``inspect.signature(MuonEq)``: the same names in the same order, the same kinds
+    ``muoneq.optim.signature(MuonEq)``: the same names in the same order, the same kinds
     (keyword-only after ``*``) and defaults."""
     import ast
     import inspect
 
     from muoneq import MuonEq
+    from muoneq.optim import signature
 
     text = " ".join((REPO / "docs" / "library.md").read_text().split())
     (documented,) = re.findall(r"`MuonEq\((params, \*, [^`]*)\)`", text)
     tree = ast.parse(f"def MuonEq({documented}): pass").body[0].args
-    real = inspect.signature(MuonEq).parameters
+    real = signature(MuonEq).parameters
     assert [a.arg for a in tree.args] == ["params"] and not tree.defaults
     assert [a.arg for a in tree.kwonlyargs] == list(real)[1:]
     for arg, default in zip(tree.kwonlyargs, tree.kw_defaults, strict=True):

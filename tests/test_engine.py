@@ -1,6 +1,6 @@
-"""The planned stacked path (``muoneq.optim.engine``): a budget of operations per step that
-does not grow with the number of matrices, nothing allocated after the first step, and momentum
-banks behind an unchanged state dict."""
+"""The planned stacked step (``muoneq.optim.plan``, ``muoneq.functional.step_stacks``): a budget
+of operations per step that does not grow with the number of matrices, nothing allocated after
+the first step, and momentum banks behind an unchanged state dict."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, build_optimizer, diag_pre
-from muoneq.optim import hybrid
-from muoneq.optim.engine import plan_stacks
+from muoneq.optim import plan
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -20,11 +19,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: aten operations dispatched by one stacked MuonEq-R step (Nesterov, float32 parameters and
 #: Newton–Schulz) on the benchmark's matrix sets (``muoneq bench``'s, miniature; the count does
-#: not depend on the size). Per stack of same-shape matrices: gather 1, momentum and Nesterov 2,
-#: DiagPre and the normalization 10, Newton–Schulz 3 per step and 2 transposed views, the update
-#: 1; per group the decay 1. Before the plan (a copy into a fresh stack per matrix, the cast and
-#: the update per matrix): 353, 376 and 863.
-BUDGETS = {"gpt2_small": 125, "llama2_130m": 94, "resnet18": 311}
+#: not depend on the size). Per stack of same-shape matrices: gather 1, Nesterov 1, DiagPre and
+#: the normalization 10, Newton–Schulz 3 per step and 2 transposed views, the update 1; per
+#: group the decay 1 and the momentum 1. Before the plan (a copy into a fresh stack per
+#: matrix, the cast and the update per matrix): 353, 376 and 863; with the momentum per stack
+#: (one engine per path): 125, 94 and 311.
+BUDGETS = {"gpt2_small": 122, "llama2_130m": 92, "resnet18": 302}
 #: The same for AdaMuon (the sign and its per-chunk update: second moment, bias correction on
 #: the device, RMS alignment) and Mousse on a step that refreshes no eigenbasis (per chunk the
 #: factors' update, whitening, the map back and the graft).
@@ -34,12 +34,15 @@ MODES = ["none", "R", "C", "RC"]
 
 
 def stepped(shapes, steps: int = 2, **options) -> MuonEq:
-    """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps."""
+    """A stacked MuonEq over parameters of ``shapes`` with gradients, after ``steps`` steps
+    (Newton–Schulz in float32, which ``"auto"`` is on CPUs without native bf16 products; whole
+    shapes in one chunk, ``workspace_limit=None``)."""
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", **options})
+    opt = MuonEq(params, lr=0.02, **{"batching": "stacked", "ns_dtype": "float32",
+                                     "workspace_limit": None, **options})
     for _ in range(steps):
         opt.step()
     return opt
@@ -171,7 +174,7 @@ def stacked_and_per_matrix(method: str, steps: int = 3, reset_after: int | None 
         params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
                   for s in shapes]
         opt = build_optimizer(method, [{"params": params}], lr=0.05, ns_dtype="float64",
-                              batching=batching, **options)
+                              batching=batching, workspace_limit=None, **options)
         for step in range(steps):
             if step == reset_after:
                 opt.state[params[0]].clear()
@@ -247,7 +250,8 @@ def stepped_with(method: str, shapes, steps: int = 2):
     params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked")
+    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching="stacked",
+                          ns_dtype="float32", workspace_limit=None)
     for _ in range(steps):
         opt.step()
     return opt
@@ -266,7 +270,9 @@ def test_the_stacks_are_planned_once(method, monkeypatch):
     """Later steps reuse the plan and its buffers (a method's ``finish`` is a new closure each
     step, and must not make the settings look changed)."""
     planned = []
-    monkeypatch.setattr(hybrid, "plan_stacks", lambda *a: planned.append(1) or plan_stacks(*a))
+    plan_stacks = plan.plan_stacks
+    monkeypatch.setattr(plan, "plan_stacks",
+                        lambda *a, **k: planned.append(1) or plan_stacks(*a, **k))
     stepped_with(method, [(6, 4), (6, 4), (4, 6)], steps=3)
     assert len(planned) == 1
 
@@ -285,7 +291,7 @@ def test_compile_compiles_each_chunks_stages_once_and_rounds_as_eager(mode, nest
         gen = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
         opt = MuonEq(params, lr=0.05, mode=mode, nesterov=nesterov, ns_dtype="float32",
-                     batching="stacked", compile=compile)
+                     batching="stacked", compile=compile, workspace_limit=None)
         before = counters["stats"]["unique_graphs"]
         for step in range(3):
             for p in params:
@@ -330,7 +336,7 @@ def test_workspace_limit_bounds_the_workspace_the_plan_holds(limit_mib):
     limit = None if limit_mib is None else limit_mib << 20
     opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16", workspace_limit=limit)
     planned = opt.workspace_bytes
-    chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+    chunks = [c for step in opt._planned().values() for c in step.chunks]
     if limit is None:
         assert planned == gpt2_workspace_by_hand(12) and len(chunks) == 4
         assert round(planned / 2**20) == 243
@@ -357,7 +363,7 @@ def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
             opt.step()
-        chunks = [c for _, chunks in opt._planned().values() for c in chunks]
+        chunks = [c for step in opt._planned().values() for c in step.chunks]
         results.append((params, len(chunks), opt.workspace_bytes))
     (unbounded, few, big), (bounded, many, small) = results
     assert many > few and small < big
@@ -367,5 +373,44 @@ def test_a_workspace_limit_changes_the_chunks_not_the_result(mode):
 
 @pytest.mark.parametrize("limit", [-1, 1.5, True, "64MB"])
 def test_a_bad_workspace_limit_is_one_line_naming_it(limit):
-    with pytest.raises(ValueError, match="^workspace_limit: expected None or a number of bytes"):
+    with pytest.raises(ValueError,
+                       match="^workspace_limit: expected 'auto', None or a number of bytes"):
         MuonEq([nn.Parameter(torch.randn(3, 3))], workspace_limit=limit)
+
+
+def torch_muon_peak(shapes) -> int:
+    """``torch.optim.Muon``'s peak extra memory on a set: that of its largest matrix (it steps
+    one at a time), measured on this CPU (the profiler's allocation trace) with one
+    Newton–Schulz step (K steps hold the same temporaries)."""
+    from muoneq.suite.benchmarks.bench_step import peak_extra_bytes
+
+    largest = max(shapes, key=lambda s: s[0] * s[1])
+    p = nn.Parameter(torch.zeros(largest))
+    p.grad = torch.randn(largest)
+    opt = torch.optim.Muon([p], ns_steps=1, adjust_lr_fn="match_rms_adamw")
+    opt.step()
+    return peak_extra_bytes(opt.step, torch.device("cpu"))
+
+
+#: The default workspace of the full-size sets (``workspace_limit="auto"``), MuonEq-R, bf16
+#: Newton–Schulz, planned on the meta device: MiB, chunks, and the aten operations of a step.
+DEFAULT_PLANS = {"gpt2_small": (38.3, 33, 1025), "llama2_130m": (27.0, 48, 1490)}
+
+
+@pytest.mark.parametrize("name", DEFAULT_PLANS)
+def test_the_default_workspace_is_within_twice_torch_muons_extra_memory(name):
+    """The default bound keeps a step's extra memory (the workspace: a stacked step allocates
+    nothing else) within twice what torch.optim.Muon's step takes; what that costs in
+    operations against whole-shape chunks is stated here (and in docs/performance.md)."""
+    shapes = MATRIX_SETS[name](False)
+    params = [nn.Parameter(torch.zeros(s, device="meta")) for s in shapes]
+    for p in params:
+        p.grad = torch.zeros(p.shape, device="meta")
+    opt = MuonEq(params, batching="stacked", ns_dtype="bfloat16")
+    opt.step()
+    planned, steps = opt.workspace_bytes, opt._planned().values()
+    assert planned <= 2 * torch_muon_peak(shapes)
+    mib, chunks, ops = DEFAULT_PLANS[name]
+    assert round(planned / 2**20, 1) == mib
+    assert sum(len(step.chunks) for step in steps) == chunks
+    assert dispatched(opt.step).total == ops

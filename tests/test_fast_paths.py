@@ -8,7 +8,8 @@ from torch import nn
 
 from muoneq import MuonEq, diag_pre
 from muoneq.newton_schulz import dtype_name, resolve_dtype
-from muoneq.optim import HybridOrthogonalOptimizer, NorMuon, executors
+from muoneq.optim import HybridOrthogonalOptimizer, plan
+from muoneq.optim.plan import Banked
 
 MODES = ["none", "R", "C", "RC"]
 
@@ -73,7 +74,7 @@ def test_stacked_batching_matches_per_matrix(mode, algorithm, monkeypatch):
     # two stacks of one shape (the chunk limit is lowered to 2 matrices), a conv filter, a
     # lone shape
     shapes = [(12, 20)] * 5 + [(8, 3, 2, 2), (20, 12)]
-    monkeypatch.setattr(executors, "STACK_ELEMENTS", 2 * 12 * 20)
+    monkeypatch.setattr(plan, "STACK_ELEMENTS", 2 * 12 * 20)
     values, grads = params_and_grads(shapes, dtype=torch.float64)
 
     def make(batching):
@@ -110,59 +111,47 @@ def test_persistent_state_is_as_large_as_torch_muons():
         assert state_bytes(ours) == state_bytes(theirs)
 
 
-def test_stateless_flag_is_dropped_by_subclasses_that_replace_the_direction():
-    class Scaled(MuonEq):
-        def _direction(self, p, m_tilde, state, group):
-            return 2 * super()._direction(p, m_tilde, state, group)
-
-    class StillStateless(MuonEq):
-        stateless_direction = True
-
-        def _direction(self, p, m_tilde, state, group):
-            return super()._direction(p, m_tilde, state, group)
-
-    assert MuonEq.stateless_direction
-    assert not HybridOrthogonalOptimizer.stateless_direction
-    assert not NorMuon.stateless_direction
-    assert not Scaled.stateless_direction
-    assert StillStateless.stateless_direction
-
-
-def test_a_stateful_subclass_gets_one_matrix_at_a_time_with_p_and_state():
+@pytest.mark.parametrize("batching", ["per_matrix", "stacked"])
+def test_a_method_is_one_small_class_whose_rule_sees_stacks_with_their_state(batching):
+    """``prepare`` and ``finish`` get the rows of one segment (a stack: one matrix per chunk on
+    the per-matrix path), its parameters and its banked state, views of the optimizer's."""
     seen = []
 
     class Recording(HybridOrthogonalOptimizer):
-        def _init_matrix_state(self, p, state, group):
-            super()._init_matrix_state(p, state, group)
-            state["calls"] = 0
+        banked_state = {"calls": Banked(lambda layout: (), dtype=lambda _: torch.float32)}
 
-        def _direction(self, p, m_tilde, state, group):
-            state["calls"] += 1
-            seen.append((tuple(p.shape), tuple(m_tilde.shape)))
-            return m_tilde
+        def finish(self, O, segment, group):
+            segment.state["calls"].add_(1)
+            seen.append(([tuple(p.shape) for p in segment.params], tuple(O.shape)))
+            return O
 
-    values, grads = params_and_grads([(6, 2, 2, 2), (5, 7)], steps=2)
-    _, opt = run(lambda ps: Recording(ps, lr=0.1, batching="stacked"), values, grads)
-    assert seen == [((6, 2, 2, 2), (6, 8)), ((5, 7), (5, 7))] * 2
-    assert [s["calls"] for s in opt.state.values()] == [2, 2]
+    values, grads = params_and_grads([(6, 2, 2, 2), (5, 7), (5, 7)], steps=2)
+    _, opt = run(lambda ps: Recording(ps, lr=0.1, batching=batching), values, grads)
+    if batching == "stacked":
+        assert seen == [([(6, 2, 2, 2)], (1, 6, 8)), ([(5, 7), (5, 7)], (2, 5, 7))] * 2
+    else:
+        assert seen == [([(6, 2, 2, 2)], (1, 6, 8)), ([(5, 7)], (1, 5, 7)),
+                        ([(5, 7)], (1, 5, 7))] * 2
+    assert [s["calls"].item() for s in opt.state.values()] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_m_tilde_is_scratch_that_a_direction_may_overwrite(nesterov):
+def test_prepare_reads_m_tilde_and_may_write_its_scratch(nesterov):
     class Destructive(HybridOrthogonalOptimizer):
-        def _direction(self, p, m_tilde, state, group):
-            direction = m_tilde.clone()
-            m_tilde.fill_(float("nan"))
-            return direction
+        def prepare(self, M, segment, group, out):
+            found = M.clone()
+            out.fill_(float("nan"))
+            return found
 
     values, grads = params_and_grads([(5, 7), (4, 2, 3)], steps=3)
-    _, opt = run(lambda ps: Destructive(ps, lr=0.1, momentum=0.9, nesterov=nesterov),
-                 values, grads)
+    params, opt = run(lambda ps: Destructive(ps, lr=0.1, momentum=0.9, nesterov=nesterov),
+                      values, grads)
     for i, state in enumerate(opt.state.values()):
         want = torch.zeros_like(values[i])
         for step_grads in grads:
             want = 0.9 * want + 0.1 * step_grads[i]
         torch.testing.assert_close(state["momentum_buffer"], want)
+        assert torch.isfinite(params[i]).all()
 
 
 @pytest.mark.parametrize(
@@ -219,8 +208,9 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert ours["err_gaussian"] == torch_row["err_gaussian"]
     assert ours["state_bytes"] == torch_row["state_bytes"]
     assert all(d["within_bound"] for d in data["ddp_split"].values())
-    # the stacked path within twice torch's peak, measured first in the same process
-    bounded = next(row for name, row in data["contenders"].items() if "workspace ≤ 2×" in name)
-    assert bounded["workspace_limit_mb"] == pytest.approx(2 * torch_row["peak_extra_mb"])
-    assert 0 < bounded["workspace_mb"] <= bounded["workspace_limit_mb"]
+    # the stacked path's default workspace within twice torch's peak, measured in the process
+    workspace = data["workspace"]
+    assert workspace["contender"] == "MuonEq-R (stacked)" and workspace["chunks"] > 0
+    assert 0 < workspace["over_torch"] <= 2
+    assert workspace["default_mb"] == data["contenders"]["MuonEq-R (stacked)"]["workspace_mb"]
     assert f"| MuonEq-R | {auto} |" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, newton_schulz
-from muoneq.newton_schulz import QUINTIC, fastest_iteration, iterate_stack
+from muoneq.newton_schulz import QUINTIC, StackIteration, fastest_iteration
 from muoneq.optim import NorMuon
 from tests.helpers.reference import polar_ref
 
@@ -21,14 +21,23 @@ SHAPES = [(2, 40, 70), (2, 70, 40), (1, 65, 65), (3, 16, 130)]
 
 @pytest.fixture(scope="module")
 def kernels():
-    """:mod:`muoneq.ns_triton`, its kernels on CUDA or in Triton's interpreter (``conftest.py``
-    asks for it where there is no GPU), on CPU tensors."""
+    """:mod:`muoneq.ns_triton`, its kernels in Triton's interpreter (``conftest.py`` asks for
+    it where there is no GPU) on CPU tensors, the interpreter's bf16 arithmetic corrected
+    (:mod:`tests.helpers.triton_interpreter`)."""
     pytest.importorskip("triton")
     from muoneq import ns_triton
+    from tests.helpers.triton_interpreter import corrected
 
     if not ns_triton._interpreted():
         pytest.skip("the Triton kernels run on CPU only in Triton's interpreter")
-    return ns_triton
+    with corrected():
+        yield ns_triton
+
+
+def iterate_stack(X, coefficients, *, other, gram, poly):
+    """``ns_backend="torch"``'s stacked iteration in the given buffers."""
+    return StackIteration().iterate(X, coefficients,
+                                    {"ns_other": other, "ns_gram": gram, "ns_poly": poly})
 
 
 def normalized(shape, dtype, seed=0):
@@ -138,8 +147,8 @@ def test_every_method_orthogonalizes_through_the_backend(kernels):
 
     p = nn.Parameter(torch.randn(6, 4))
     p.grad = torch.randn(6, 4)
-    NorMuon([p], ns_backend=recording).step()
-    assert calls == [(1, 4, 6)]  # one matrix, as a stack of one, wide
+    NorMuon([p], ns_backend=recording, ns_dtype="float32").step()
+    assert calls == [(1, 6, 4)]  # one matrix, as a stack of one, as stored
 
 
 def test_a_callable_backend_gives_the_torch_result_and_its_shape_is_checked():
@@ -171,29 +180,48 @@ def test_auto_is_torch_on_a_cpu_and_picks_only_a_faster_backend_that_agrees():
     assert opt.planned_backends == {(8, 16): "torch"}
 
     X = torch.empty(2, 8, 16)
-    buffers = {"other": torch.empty_like(X), "gram": torch.empty(2, 8, 8),
-               "poly": torch.empty(2, 8, 8)}
+    buffers = {"ns_other": torch.empty_like(X), "ns_gram": torch.empty(2, 8, 8),
+               "ns_poly": torch.empty(2, 8, 8)}
 
-    def copy_of_torch(X, coefficients, **b):
-        return iterate_stack(X, coefficients, **b)
+    class Copy(StackIteration):
+        name = "copy"
 
-    def wrong(X, coefficients, **b):
-        return X.zero_()
+    class Wrong(StackIteration):
+        name = "wrong"
 
-    speed = {iterate_stack: 2.0, copy_of_torch: 1.0, wrong: 0.1}
+        def iterate(self, X, coefficients, buffers):
+            return X.zero_()
 
-    def fake_time(run):  # which candidate ``run`` calls is in its closure
-        return speed[run.__closure__[0].cell_contents]
+    candidates = {"torch": StackIteration(), "copy": Copy(), "wrong": Wrong()}
+    speed = {"torch": 2.0, "copy": 1.0, "wrong": 0.1}
+    timing = []
+
+    def fake_time(run):  # which candidate ``run`` calls: the last one checked for agreement
+        run()
+        return speed[timing[-1]]
 
     def choose(*names):
-        found = {"torch": iterate_stack, "copy": copy_of_torch, "wrong": wrong}
-        return fastest_iteration({n: found[n] for n in names}, X, (QUINTIC,) * 5,
-                                 time_of=fake_time, **buffers)
+        timing.clear()
+        chosen = {n: candidates[n] for n in names}
+        for name, iteration in chosen.items():
+            iteration.iterate = _noting(iteration.iterate, name, timing)
+        try:
+            return fastest_iteration(chosen, X, (QUINTIC,) * 5, buffers, time_of=fake_time)
+        finally:
+            for iteration in chosen.values():
+                del iteration.iterate
 
     assert choose("torch", "wrong") == "torch"  # faster but wrong
     assert choose("torch", "copy", "wrong") == "copy"
-    speed[copy_of_torch] = 2.0
+    speed["copy"] = 2.0
     assert choose("torch", "copy") == "torch"  # a tie: torch
+
+
+def _noting(iterate, name, timing):
+    def noted(*args):
+        timing.append(name)
+        return iterate(*args)
+    return noted
 
 
 @pytest.mark.parametrize("value", ["cuda", "", None, 3])
@@ -227,3 +255,23 @@ def test_the_polar_express_schedule_meets_the_accuracy_rule_in_bfloat16():
         errors = {name: ((newton_schulz(G, 5, name, torch.bfloat16).double() - exact).norm()
                          / exact.norm()).item() for name in ("quintic", "polar_express")}
         assert errors["polar_express"] <= errors["quintic"], errors
+
+
+def test_a_launch_records_its_configuration_and_offsets_the_stack_in_64_bits(kernels):
+    """The configuration a device ran is recorded (the interpreter: the default one), and a
+    matrix's offset in the stack is a 64-bit product (a stack can exceed 2³¹ elements)."""
+    import inspect
+
+    Y = normalized((2, 16, 24), torch.float32)
+    kernels.symmetric_gram(Y, torch.empty(2, 16, 16))
+    assert kernels.CHOSEN["cpu"] is kernels.DEFAULT_CONFIG
+    for kernel in (kernels._symmetric_kernel, kernels._apply_kernel):
+        assert "k = tl.program_id(2).to(tl.int64)" in inspect.getsource(kernel.fn)
+
+
+def test_a_backend_that_cannot_run_the_gram_order_is_one_line():
+    with pytest.raises(ValueError, match=r"^ns_algorithm: 'gram' runs on torch's products; "
+                                         r"ns_backend=mine runs the standard order only"):
+        def mine(X, coefficients):
+            return X
+        MuonEq([nn.Parameter(torch.randn(4, 8))], ns_algorithm="gram", ns_backend=mine)

@@ -16,7 +16,6 @@ with the same options, as :func:`muoneq.param_groups` routes a model).
 from __future__ import annotations
 
 import copy
-import inspect
 import io
 import pickle
 import warnings
@@ -34,6 +33,7 @@ from torch.optim.optimizer import (
 )
 
 from muoneq import OPTIMIZERS, build_optimizer
+from muoneq.optim import signature
 
 LR = 1e-2
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -335,7 +335,7 @@ TYPOS = [("momentun", "momentum"), ("betas", "adamw_betas"), ("compil", "compile
 @parametrize_ours
 def test_a_misspelled_keyword_gets_did_you_mean_over_every_accepted_name(case):
     weight = nn.Parameter(torch.randn(2, 2))
-    accepted = list(inspect.signature(type(case.make([weight]))).parameters)[1:]
+    accepted = list(signature(type(case.make([weight]))).parameters)[1:]
     checked = [(typo, meant) for typo, meant in TYPOS if meant in accepted]
     assert len(checked) >= 2
     for typo, meant in checked:
@@ -416,7 +416,7 @@ def test_sparse_gradients_raise_unless_supported(case):
 @pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable", "maximize"])
 def test_unsupported_torch_flags_raise(case, flag):
     weight, bias = weight_bias()
-    if flag in inspect.signature(type(case.make([weight]))).parameters:
+    if flag in signature(type(case.make([weight]))).parameters:
         pytest.skip(f"{flag} is supported (tests/test_capturable.py)")
     with pytest.raises(TypeError, match=flag):
         case.make([weight, bias], **{flag: True})
@@ -742,6 +742,34 @@ def test_state_dict_round_trip_into_a_fresh_optimizer(case, named):
     fresh.param_groups.extend(fresh.param_groups)  # repeated groups: same representation
     assert (_without_names(fresh.state_dict())["param_groups"][-1]
             == _without_names(opt.state_dict())["param_groups"][-1])
+
+
+@parametrize_ours
+def test_a_named_state_dict_goes_to_the_parameters_of_its_names_in_any_order(case):
+    """Two same-shape matrices with different momenta, loaded into an optimizer that lists them
+    in the other order: each state follows its name (by position, as torch matches, they would
+    swap silently); names that differ are refused."""
+    first, second = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+    opt = case.make([("first", first), ("second", second)])
+    for scale in (1.0, -3.0):
+        first.grad, second.grad = torch.randn(6, 4), scale * torch.randn(6, 4)
+        opt.step()
+    twins = {"first": nn.Parameter(first.detach().clone()),
+             "second": nn.Parameter(second.detach().clone())}
+    swapped = case.make([("second", twins["second"]), ("first", twins["first"])])
+    swapped.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for name, p in (("first", first), ("second", second)):
+        assert_equal_nested(swapped.state[twins[name]], opt.state[p], name)
+    for name, p in (("first", first), ("second", second)):
+        p.grad = torch.randn(6, 4)
+        twins[name].grad = p.grad.clone()
+    opt.step()
+    swapped.step()
+    assert_same([twins["first"], twins["second"]], [first, second])
+    other = case.make([("first", nn.Parameter(torch.randn(6, 4))),
+                       ("third", nn.Parameter(torch.randn(6, 4)))])
+    with pytest.raises(ValueError, match="^load_state_dict: param group 0 .* 'third'"):
+        other.load_state_dict(copy.deepcopy(opt.state_dict()))
 
 
 @parametrize

@@ -1,26 +1,29 @@
-"""Every optimizer's constructor is written out in its source (what IDEs, type checkers and
-``help()`` read), each default once, and it is where the param groups' defaults come from."""
+"""Every optimizer's constructor is written as ``torch.optim`` writes one: its own keywords in its
+source with their types and defaults, handed to the base as ``defaults = dict(...)``; the
+keywords every matrix optimizer shares declared once (``Shared``, read by IDEs and type checkers
+through ``**shared: Unpack[Shared]``); the group defaults are the signature's."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
+import pathlib
 import textwrap
 
 import pytest
 import torch
 from torch import nn
 
-from muoneq.optim.base import Hyper, OptimizerBase
-from muoneq.optim.checks import nonnegative
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+import muoneq
+from muoneq.optim import signature
+from muoneq.optim.base import OptimizerBase
+from muoneq.optim.hybrid import OPTIONS, SHARED_DEFAULTS, HybridOrthogonalOptimizer, Shared
 from muoneq.registry import OPTIMIZERS
 
 OURS = sorted({spec.factory for spec in OPTIMIZERS.values()
                if isinstance(spec.factory, type) and issubclass(spec.factory, OptimizerBase)},
               key=lambda cls: cls.__name__)
-SHARED = {f.name for f in dataclasses.fields(DEFAULTS)}
+MATRIX = [c for c in OURS if issubclass(c, HybridOrthogonalOptimizer)]
 
 
 def constructor(cls: type) -> ast.FunctionDef:
@@ -35,40 +38,68 @@ def built(cls: type, **kwargs) -> OptimizerBase:
 
 
 @pytest.mark.parametrize("cls", OURS, ids=lambda cls: cls.__name__)
-def test_the_signature_is_written_in_the_source_with_types_and_defaults(cls):
-    """``inspect.signature(cls)`` is the ``def __init__`` of the class's own source: every name a
-    literal keyword-only parameter with an annotation and a default, no ``**kwargs``."""
-    tree = constructor(cls).args
-    real = inspect.signature(cls).parameters
-    assert [a.arg for a in tree.args] == ["self", "params"]
-    assert tree.vararg is None and tree.kwarg is None
-    assert [a.arg for a in tree.kwonlyargs] == list(real)[1:]
-    for arg, default in zip(tree.kwonlyargs, tree.kw_defaults, strict=True):
+def test_the_constructor_names_its_own_keywords_and_the_shared_ones_once(cls):
+    """``def __init__(self, params, *, <own keywords with annotation and default>,
+    **shared: Unpack[Shared])`` (MarsAdamW, which shares nothing: ``**misspelled: Never``), and
+    ``super().__init__(params, dict(...))``: the defaults as ``torch.optim`` writes them."""
+    tree = constructor(cls)
+    args = tree.args
+    assert [a.arg for a in args.args] == ["self", "params"] and args.vararg is None
+    shared = issubclass(cls, HybridOrthogonalOptimizer)
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
         assert arg.annotation is not None and default is not None, arg.arg
-        assert real[arg.arg].kind is inspect.Parameter.KEYWORD_ONLY
+        assert not (shared and arg.arg in Shared.__annotations__), f"{arg.arg} is shared"
+    assert ast.unparse(args.kwarg.annotation) == ("Unpack[Shared]" if shared else "Never")
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "super().__init__"]
+    assert len(calls) == 1 and ast.unparse(calls[0].args[1]).startswith("dict(")
+
+
+def test_no_constructor_captures_its_locals():
+    """A static reader follows every keyword from the signature to its use: no ``locals()``."""
+    for path in pathlib.Path(muoneq.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                    and ast.unparse(n.func) == "locals"], path
+
+
+def test_the_shared_keywords_have_one_default_each():
+    assert set(SHARED_DEFAULTS) == set(Shared.__annotations__)
+    assert set(OPTIONS) < set(Shared.__annotations__)
 
 
 @pytest.mark.parametrize("cls", OURS, ids=lambda cls: cls.__name__)
 def test_the_group_defaults_are_the_signatures(cls):
-    """Every hyper-parameter argument's default is the group default; the other arguments are
-    the options a copy keeps; the group keys that are no argument declare their own."""
-    real = inspect.signature(cls).parameters
+    """Every keyword's default (``signature``, the shared ones with the class's own defaults)
+    is the group default, but for the options a copy keeps; the group keys that are no
+    keyword (``use_muon``, the layout keys) default to the plain ``(out, in·…)`` matrix."""
+    real = dict(list(signature(cls).parameters.items())[1:])
     opt = built(cls)
-    arguments = {k for k, h in cls.hyperparameters.items() if h.argument}
-    for name in arguments:
-        assert opt.defaults[name] == real[name].default, name
-    assert arguments | set(opt._options()) == set(list(real)[1:])
-    assert set(opt.defaults) - arguments == {k for k, h in cls.hyperparameters.items()
-                                             if not h.argument}
+    options = opt._options()
+    for name, p in real.items():
+        if name in options:
+            assert options[name] == p.default or name == "ns_backend", name
+        else:
+            assert opt.defaults[name] == p.default, name
+    extra = set(opt.defaults) - set(real)
+    assert extra == ({"use_muon", "transposed", "batch_dims", "splits"}
+                     if issubclass(cls, HybridOrthogonalOptimizer) else set())
+    assert set(opt.hyperparameters) == set(opt.defaults)
+
+
+def test_a_methods_own_default_of_a_shared_keyword_is_in_its_signature():
+    mousse = signature(OPTIMIZERS["mousse"].factory).parameters
+    assert mousse["nesterov"].default is False
+    assert mousse["lr_adjust"].default == "spectral_unclamped"
+    assert signature(muoneq.MuonEq).parameters["nesterov"].default is True
 
 
 @pytest.mark.parametrize("cls", OURS, ids=lambda cls: cls.__name__)
 def test_every_numeric_argument_reaches_the_group(cls):
     """A value passed for any numeric argument is the group's (no argument is dropped on the
     way to the base class)."""
-    real = inspect.signature(cls).parameters
     changed = {}
-    for name, p in list(real.items())[1:]:
+    for name, p in list(signature(cls).parameters.items())[1:]:
         if isinstance(p.default, bool) or not isinstance(p.default, (int, float)):
             continue
         changed[name] = p.default - 1 if isinstance(p.default, int) and p.default > 1 \
@@ -78,37 +109,11 @@ def test_every_numeric_argument_reaches_the_group(cls):
     assert {k: group[k] for k in changed} == changed
 
 
-@pytest.mark.parametrize("cls", [c for c in OURS if issubclass(c, HybridOrthogonalOptimizer)],
-                         ids=lambda cls: cls.__name__)
-def test_a_shared_default_is_written_once(cls):
-    """A matrix optimizer names the shared defaults (``DEFAULTS.lr``); a literal default of a
-    shared argument must differ from the shared one (a method's own, as Mousse's
-    ``nesterov=False``), never repeat it."""
-    tree = constructor(cls).args
-    for arg, default in zip(tree.kwonlyargs, tree.kw_defaults, strict=True):
-        if arg.arg not in SHARED:
-            continue
-        if isinstance(default, ast.Attribute):
-            assert ast.unparse(default) == f"DEFAULTS.{arg.arg}", arg.arg
-        else:
-            assert ast.literal_eval(default) != getattr(DEFAULTS, arg.arg), arg.arg
-
-
-def test_a_default_in_the_table_or_an_argument_missing_from_the_signature_is_refused():
-    with pytest.raises(TypeError, match="written in its __init__'s signature"):
-        type("Twice", (HybridOrthogonalOptimizer,),
-             {"hyperparameters": {"gamma": Hyper(nonnegative, default=0.5)}})
-    with pytest.raises(TypeError, match="'gamma' must be a keyword-only argument"):
-        type("Missing", (HybridOrthogonalOptimizer,),
-             {"hyperparameters": {"gamma": Hyper(nonnegative)}})
-
-
 def test_a_subclass_without_a_constructor_takes_its_bases():
     class Scaled(HybridOrthogonalOptimizer):
-        def _direction(self, p, m_tilde, state, group):
-            return m_tilde
+        pass
 
-    assert inspect.signature(Scaled) == inspect.signature(HybridOrthogonalOptimizer)
+    assert signature(Scaled) == signature(HybridOrthogonalOptimizer)
     assert built(Scaled, lr=0.5).defaults["lr"] == 0.5
     with pytest.raises(TypeError, match="'lrr'; did you mean 'lr'"):
         built(Scaled, lrr=0.5)
@@ -116,9 +121,8 @@ def test_a_subclass_without_a_constructor_takes_its_bases():
 
 def test_a_subclass_that_hands_its_arguments_on_keeps_its_bases_defaults_and_keywords():
     """``__init__(self, *args, **kwargs)`` that calls its base's, a common way to extend."""
-    from muoneq import MuonEq
 
-    class Counting(MuonEq):
+    class Counting(muoneq.MuonEq):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.calls = 0
@@ -126,5 +130,6 @@ def test_a_subclass_that_hands_its_arguments_on_keeps_its_bases_defaults_and_key
     opt = built(Counting, batching="stacked", mode="RC")
     assert opt.defaults["mode"] == "RC" and opt.defaults["eps"] == 1e-8
     assert opt.batching == "stacked" and opt.calls == 0
+    assert signature(Counting) == signature(muoneq.MuonEq)
     with pytest.raises(TypeError, match="'compil'; did you mean 'compile'"):
         built(Counting, compil=True)

@@ -21,17 +21,25 @@ from muoneq.suite.spectra import SpectralMonitor
 
 
 class RecordingMuonEq(MuonEq):
-    """MuonEq that keeps a copy of every M̃ it feeds to DiagPre (the reference for the monitor)."""
-
-    stateless_direction = True  # still a function of M̃ alone (splits and banks allowed)
+    """MuonEq that keeps a copy of every M̃ it feeds to DiagPre (the reference for the monitor),
+    by parameter, each matrix of a stack in its order."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.inputs = defaultdict(list)
+        self.pending = defaultdict(dict)  # a step's blocks of a parameter, by block index
 
-    def _direction(self, p, m_tilde, state, group):
-        self.inputs[p].append(m_tilde.detach().clone())
-        return super()._direction(p, m_tilde, state, group)
+    def prepare(self, M, segment, group, out):
+        layout = segment.layout
+        splits = len(layout.rows)
+        for j, p in enumerate(segment.params):  # rows: parameters, then experts, of one split
+            for expert in range(layout.count):
+                block = M[j * layout.count + expert].detach().clone()
+                self.pending[p][expert * splits + segment.split] = block
+            if len(self.pending[p]) == len(layout.blocks):  # in the layout's order
+                self.inputs[p] += [self.pending[p][b] for b in range(len(layout.blocks))]
+                self.pending[p].clear()
+        return M
 
 
 class Tiny(pl.LightningModule):

@@ -1,6 +1,7 @@
 """Optimizers: MuonEq, the shared hybrid machinery and the paper's baselines."""
 
 from muoneq.optim.adamuon import AdaMuon
+from muoneq.optim.base import signature
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer
 from muoneq.optim.mars_adamw import MarsAdamW
 from muoneq.optim.mousse import Mousse
@@ -16,4 +17,5 @@ __all__ = [
     "MuonEq",
     "MuonPlus",
     "NorMuon",
+    "signature",
 ]

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import Unpack
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Backend, Coefficients
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, decay, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment
 
 
 class AdaMuon(HybridOrthogonalOptimizer):
@@ -54,26 +53,16 @@ class AdaMuon(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "beta2": Hyper(decay, when="use_muon"),
         "eps": Hyper(nonnegative, when="use_muon"),
         "sign_momentum": Hyper(boolean, when="use_muon"),
     }
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.999,
-                 eps: float = 1e-8, sign_momentum: bool = True,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(params, **arguments(locals()))
+    def __init__(self, params: ParamsT, *, beta2: float = 0.999, eps: float = 1e-8,
+                 sign_momentum: bool = True, **shared: Unpack[Shared]):
+        super().__init__(params, dict(beta2=beta2, eps=eps, sign_momentum=sign_momentum),
+                         **shared)
 
     #: ``V`` and the step counts are banked like the momentum: the stacked path reads them
     #: stacked (the counts in float32, as torch.optim keeps ``step``)
@@ -86,19 +75,14 @@ class AdaMuon(HybridOrthogonalOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        source = m_tilde.sign() if group["sign_momentum"] else m_tilde
-        O = self._orthogonalizer(group, source.device)(source)
-        return self._adapted(O, state["exp_avg_sq"], state["step"], group, p.dtype)
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
+        return torch.sign(M, out=out) if group["sign_momentum"] else M
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
-            return torch.sign(M, out=out) if group["sign_momentum"] else M
+    finishes_in_ns_dtype = False
 
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._adapted(
-                rows, s.state["exp_avg_sq"], s.state["step"], group, s.momentum.dtype))
-        return self._stacked_settings(group, plan, "none", finish, prepare)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._adapted(O, segment.state["exp_avg_sq"], segment.state["step"], group,
+                             segment.momentum.dtype)
 
     @staticmethod
     def _adapted(O: Tensor, v: Tensor, step: Tensor, group: dict, dtype: torch.dtype) -> Tensor:

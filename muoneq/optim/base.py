@@ -1,28 +1,28 @@
-"""The base of every optimizer here: declared hyper-parameters and the ``torch.optim`` contract.
+"""The base of every optimizer here: checked hyper-parameters and the ``torch.optim`` contract.
 
-An optimizer writes its constructor as ``torch.optim`` does, every hyper-parameter a
-keyword-only argument with its type and default (the one place each default is written; IDEs,
-type checkers, ``help()`` and the suite's config schema read it), and declares how each is
-checked::
+An optimizer writes its constructor as ``torch.optim`` does, each keyword argument with its type
+and default, and hands ``defaults = dict(...)`` to the base; its class declares how each
+hyper-parameter (a key of ``defaults``, and so of every param group) is checked::
 
-    class NorMuon(HybridOrthogonalOptimizer):
-        hyperparameters = {"beta2": Hyper(decay, when="use_muon"), "eps": Hyper(nonnegative)}
+    class MarsAdamW(OptimizerBase):
+        hyperparameters = {"lr": Hyper(nonnegative), "betas": Hyper(betas), ...}
 
-        def __init__(self, params, *, lr: float = DEFAULTS.lr, ..., beta2: float = 0.95,
-                     eps: float = 1e-10, ...):
-            super().__init__(params, **arguments(locals()))
+        def __init__(self, params, *, lr: float | Tensor = 3e-3, ..., **misspelled: Never):
+            refuse_unknown(type(self), misspelled)
+            super().__init__(params, dict(lr=lr, betas=betas, ...))
 
-From the signature and that table it gets the defaults of its param groups, validation of
-every group (at construction and in ``add_param_group``, which leaves no half-added group
-behind), a "did you mean" error for a misspelled keyword and a warning for a misspelled group
-key. A constructor argument without an entry in the table is an option of how, not what, is
-computed (``batching``): not a group key.
+From that table it gets validation of every group (at construction and in ``add_param_group``,
+which leaves no half-added group behind) and a warning for a misspelled group key;
+:func:`refuse_unknown` gives a misspelled constructor keyword a "did you mean" over every
+accepted name (:func:`signature`). The matrix optimizers share most of their keywords
+(:class:`muoneq.optim.hybrid.Shared`), declared once.
 
 The rest of the contract, as PyTorch's own generic optimizer tests check it: the step
 evaluates the closure with gradients enabled, skips parameters without a gradient, refuses
 sparse gradients, re-creates state that was reset, and reads a tensor learning rate once
 per group; copies (``deepcopy``, pickle) keep the constructor's options; state dicts of older
-versions load (``added_keys``, numeric ``step``).
+versions load (``added_keys``, numeric ``step``) and are matched to the parameters by name
+where both sides name them.
 """
 
 from __future__ import annotations
@@ -37,83 +37,67 @@ from torch import Tensor
 
 from muoneq.optim.checks import Check, check_group_keys, closest, scalar, tensor_steps
 
-#: ``Hyper.default`` of a constructor argument: its default is its signature's.
-FROM_SIGNATURE: Any = inspect.Parameter.empty
-
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
-    """How one hyper-parameter is checked, and where it applies.
-
-    ``when``: a group key that must be true for the check to run (``"use_muon"``: only in
-    matrix groups). A constructor argument's default is the one of its keyword-only parameter
-    (filled in here by the class); a group key that is no constructor argument
-    (``argument=False``: ``use_muon``, the layout keys) declares its ``default`` here.
-    """
+    """How one hyper-parameter is checked, and where it applies: ``when`` names a group key that
+    must be true for the check to run (``"use_muon"``: only in matrix groups)."""
 
     check: Check
     when: str | None = None
-    argument: bool = True
-    default: Any = FROM_SIGNATURE
 
 
-def arguments(frame: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments a constructor received, from its ``locals()`` taken before anything
-    else: ``self``, ``params`` and the ``__class__`` cell dropped, a ``**`` dict merged in.
-    A subclass's explicit constructor hands them on: ``super().__init__(params,
-    **arguments(locals()))``."""
-    values = {k: v for k, v in frame.items() if k not in ("self", "params", "__class__")}
-    extra = values.pop("hyperparameters", {})
-    return {**values, **extra}
+def signature(cls: type) -> inspect.Signature:
+    """What ``cls(params, ...)`` accepts, every keyword with its default: the keyword-only
+    parameters of the constructors along its bases, and where one takes ``**shared:
+    Unpack[Shared]`` the shared keywords with the class's defaults
+    (:meth:`muoneq.optim.hybrid.HybridOrthogonalOptimizer.shared_keywords`). Any other class:
+    ``inspect.signature``."""
+    found = inspect.signature(cls)
+    if not (isinstance(cls, type) and issubclass(cls, OptimizerBase)):
+        return found
+    keywords = {name: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation)
+                for name, (annotation, default) in cls.shared_keywords().items()}
+    for klass in cls.__mro__:
+        if "__init__" in klass.__dict__ and issubclass(klass, OptimizerBase):
+            for p in inspect.signature(klass.__init__).parameters.values():
+                if p.kind is p.KEYWORD_ONLY:
+                    keywords.setdefault(p.name, p)
+    params = inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                               annotation="ParamsT")
+    return inspect.Signature([params, *keywords.values()])
+
+
+def refuse_unknown(cls: type, given: dict[str, Any]) -> None:
+    """A ``TypeError`` for a keyword ``cls`` does not accept, with what was most likely meant
+    and every accepted name (:func:`signature`); nothing when ``given`` is empty."""
+    if not given:
+        return
+    accepted = list(signature(cls).parameters)[1:]
+    unknown = next(iter(given))
+    hint = closest(unknown, accepted)
+    raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {unknown!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                    + f" (allowed: {', '.join(accepted)})")
 
 
 class OptimizerBase(torch.optim.Optimizer):
-    """``torch.optim.Optimizer`` with declared hyper-parameters (module docstring)."""
+    """``torch.optim.Optimizer`` with checked hyper-parameters (module docstring)."""
 
-    #: name → :class:`Hyper`; a subclass's table extends (and may override) its bases'.
+    #: name → :class:`Hyper`: every key of ``defaults`` (a subclass writes its whole table,
+    #: its base's merged in: ``{**Base.hyperparameters, ...}``)
     hyperparameters: ClassVar[dict[str, Hyper]] = {}
     #: Group keys introduced after state dicts were first written (name → the value that
-    #: reproduces the older behaviour): a state dict without them loads with these values. A
-    #: subclass's table extends its bases'.
+    #: reproduces the older behaviour): a state dict without them loads with these values.
     added_keys: ClassVar[dict[str, Any]] = {}
-    #: the keywords the constructor accepts (its signature's), in order
-    _keywords: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        written = [k for k, h in cls.__dict__.get("hyperparameters", {}).items()
-                   if h.argument and h.default is not FROM_SIGNATURE]
-        if written:
-            raise TypeError(f"{cls.__name__}: the default of {written[0]!r} is written in its "
-                            "__init__'s signature, not in the hyperparameters table")
-        table, added = {}, {}
-        for klass in reversed(cls.__mro__):
-            table.update(klass.__dict__.get("hyperparameters", {}))
-            added.update(klass.__dict__.get("added_keys", {}))
-        cls.hyperparameters, cls.added_keys = _with_signature_defaults(cls, table), added
-        cls._keywords = _accepted_keywords(cls)
+    @classmethod
+    def shared_keywords(cls) -> dict[str, tuple[Any, Any]]:
+        """Keywords a constructor takes through ``**shared`` (name → annotation, default)."""
+        return {}
 
-    def __new__(cls, *args, **kwargs):
-        # A misspelled keyword: Python's own TypeError names it; this one says what was meant
-        # and lists every accepted name (the constructor runs only after this check).
-        accepted = cls._keywords
-        unknown = [k for k in kwargs if k not in accepted]
-        if unknown:
-            hint = closest(unknown[0], accepted)
-            raise TypeError(
-                f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}"
-                + (f"; did you mean {hint!r}?" if hint else "")
-                + f" (allowed: {', '.join(accepted)})"
-            )
-        return super().__new__(cls)
-
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict], **hyperparameters):
-        unknown = [k for k in hyperparameters
-                   if k not in self.hyperparameters or not self.hyperparameters[k].argument]
-        if unknown:  # a subclass handed on an option as a hyper-parameter
-            raise TypeError(f"{type(self).__name__}: {unknown[0]!r} is no hyper-parameter "
-                            "(declare its check in the class's hyperparameters table)")
-        defaults = {k: hyperparameters.get(k, h.default) for k, h in self.hyperparameters.items()}
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict[str, Any]):
         # hyper-parameters first, as torch.optim checks them before it reads params
         self._check_values(dict(defaults))
         self._reset_caches()
@@ -196,6 +180,13 @@ class OptimizerBase(torch.optim.Optimizer):
         """Constructor options that are not hyper-parameters (kept by copies)."""
         return {}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but where the saved groups and this
+        optimizer's both name their parameters (``param_names``, from ``named_parameters()``)
+        each state goes to the parameter of its name, whatever the order; names that differ
+        are refused (:func:`matched_by_name`)."""
+        super().load_state_dict(matched_by_name(state_dict, self.param_groups))
+
     def __getstate__(self) -> dict:
         # torch.optim pickles defaults, state and groups only: copies must also know the options
         return {**super().__getstate__(), **self._options()}
@@ -213,33 +204,28 @@ class OptimizerBase(torch.optim.Optimizer):
             self._reset_caches()
 
 
-def _with_signature_defaults(cls: type, table: dict[str, Hyper]) -> dict[str, Hyper]:
-    """``table`` with each constructor argument's default read from ``cls``'s signature, where
-    it is written (a subclass whose constructor only hands ``**kwargs`` on keeps its base's);
-    a new argument the signature lacks (or has without a default) is an error of the class."""
-    parameters = inspect.signature(cls).parameters
-    derived = {}
-    for name, hyper in table.items():
-        parameter = parameters.get(name)
-        if not hyper.argument or (parameter is None and hyper.default is not FROM_SIGNATURE):
-            derived[name] = hyper
-            continue
-        if (parameter is None or parameter.kind is not parameter.KEYWORD_ONLY
-                or parameter.default is parameter.empty):
-            raise TypeError(f"{cls.__name__}: hyper-parameter {name!r} must be a keyword-only "
-                            "argument of its __init__, with its default")
-        derived[name] = dataclasses.replace(hyper, default=parameter.default)
-    return derived
 
-
-def _accepted_keywords(cls: type) -> tuple[str, ...]:
-    """The keywords ``cls(params, ...)`` accepts: its signature's, and where it takes
-    ``**kwargs`` on to its base, the base's and the hyper-parameters."""
-    parameters = inspect.signature(cls).parameters.values()
-    names = [p.name for p in parameters if p.name != "params"
-             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        for klass in cls.__mro__[1:]:
-            names += [k for k in klass.__dict__.get("_keywords", ()) if k not in names]
-        names += [k for k, h in cls.hyperparameters.items() if h.argument and k not in names]
-    return tuple(names)
+def matched_by_name(state_dict: dict, param_groups: list[dict]) -> dict:
+    """``state_dict`` with each saved group's parameters reordered to match the names of the
+    corresponding group of ``param_groups`` (torch matches by position only, so same-shape
+    parameters listed in another order would swap their state); unchanged where either side
+    does not name its parameters. A group whose names differ is a ``ValueError`` naming one."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups) or not all(
+            "param_names" in saved and "param_names" in group
+            for saved, group in zip(saved_groups, param_groups, strict=True)):
+        return state_dict  # torch's own checks (group counts, names on one side) apply
+    matched = []
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
+        ids = dict(zip(saved["param_names"], saved["params"], strict=True))
+        names = list(group["param_names"])
+        if set(ids) != set(names) or len(ids) != len(saved["params"]):
+            missing = sorted(set(names) - set(ids)) or sorted(set(ids) - set(names))
+            raise ValueError(
+                f"load_state_dict: param group {index} holds parameters the saved state does "
+                f"not name alike (first differing name: {(missing or names)[0]!r}); a state "
+                "dict loads into an optimizer over the same named parameters"
+            )
+        matched.append({**saved, "params": [ids[name] for name in names],
+                        "param_names": names})
+    return {**state_dict, "param_groups": matched}

@@ -3,51 +3,44 @@ relatives.
 
 One optimizer object serves a whole model. Each param group is either
 
-* a *matrix* group (``use_muon=True``), stepped as Algorithm 1 with the method's own map from
-  the momentum to a direction (:meth:`~HybridOrthogonalOptimizer._direction`; for MuonEq
-  ``NS_K(DiagPre(M̃))``)::
+* a *matrix* group (``use_muon=True``), stepped as Algorithm 1 with the method's own rule
+  around Newton–Schulz (:meth:`~HybridOrthogonalOptimizer.prepare` before it,
+  :meth:`~HybridOrthogonalOptimizer.finish` after it; for MuonEq DiagPre of ``mode``)::
 
       M ← βM + (1−β)G;   M̃ = βM + (1−β)G (Nesterov) or M          (lines 5–10)
-      X ← (1 − η·λ)·X − a·η·direction(M̃)                          (line 13)
+      X ← (1 − η·λ)·X − a·η·finish(NS_K(DiagPre(prepare(M̃))))    (lines 11–13)
 
 * or an AdamW group (``use_muon=False``): :func:`muoneq.optim.adamw.adamw_update`.
 
-The step runs the engine (:mod:`muoneq.optim.engine`) on a plan made once: the matrix groups'
-momentum lives in banks (one tensor per stored shape, the state's buffers are views of it),
-and a group whose matrices are stacked (the accelerator default) is stepped as chunks of
-same-shape matrices, each a handful of batched operations (gather, prologue, Newton–Schulz,
-epilogue); otherwise, as ``torch.optim.Muon.step`` runs ``muon()``, the momentum update (line 5,
-one foreach call) then :func:`muoneq.optim.engine.directions` one matrix at a time (lines 6–13),
-every method orthogonalizing through the group's validated Newton–Schulz
-(:meth:`~HybridOrthogonalOptimizer._orthogonalizer`).
+As ``torch.optim.Muon.step`` calls ``muon()``, :meth:`~HybridOrthogonalOptimizer.step` gathers
+each matrix group's lists and calls :func:`muoneq.functional.step_stacks` on the group's plan
+(:mod:`muoneq.optim.plan`: momentum banks, chunks of same-shape matrices and their buffers,
+made once) — or, when the matrices are split between DDP ranks or sharded by FSDP2, its
+distributed form (:mod:`muoneq.optim.distributed`), which runs the same functions on the
+matrices a rank owns.
 
-A subclass writes its constructor with every argument (the shared ones default to
-:data:`DEFAULTS`, its own to the values written there), declares how its own hyper-parameters
-are checked (:class:`~muoneq.optim.base.Hyper`), overrides :meth:`_direction`, and
-:meth:`_init_matrix_state` when it keeps state beyond the momentum.
+A method is one small class: its constructor names its own keywords (the shared ones come as
+``**shared: Unpack[Shared]``) and hands them on as ``dict(...)``, its ``hyperparameters`` table
+says how they are checked (:class:`~muoneq.optim.base.Hyper`), ``prepare`` and ``finish`` are
+its rule on stacks (a single matrix is a stack of one), ``banked_state`` and
+:meth:`~HybridOrthogonalOptimizer._init_matrix_state` the state it keeps beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
 the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
 (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
 layers).
-
-On one process the directions are computed one matrix at a time (the CPU default) or as
-stacks of same-shape matrices (the accelerator default); the DDP split and FSDP2's row shards
-are :mod:`muoneq.optim.executors`' business. Every path gives the one-process result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.functional import LR_ADJUST, UpdateSettings
+from muoneq.functional import LR_ADJUST, add_directions, prologue, step_stacks
 from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Backend,
@@ -56,14 +49,13 @@ from muoneq.newton_schulz import (
     canonical_backend,
     dtype_name,
     normalize_coefficients,
-    ns_flops,
-    orthogonalizer,
+    ns_settings,
     resolve_dtype,
-    run_schedule,
 )
-from muoneq.optim import executors
+from muoneq.optim import distributed
+from muoneq.optim import plan as planning
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase, arguments
+from muoneq.optim.base import Hyper, OptimizerBase, refuse_unknown
 from muoneq.optim.checks import (
     betas,
     boolean,
@@ -74,51 +66,59 @@ from muoneq.optim.checks import (
     nonnegative,
     scalar,
 )
-from muoneq.optim.engine import (
-    Chunk,
-    DirectionRule,
+from muoneq.optim.plan import (
     GroupPlan,
-    GroupUpdate,
-    MatrixSlot,
+    GroupStep,
+    Segment,
     StackSettings,
     StateShapes,
     bank_state,
     carve,
-    directions,
+    compiled_copy,
     local,
-    plan_stacks,
-    step_stacks,
+    muon_step_bytes,
+    plan_workspace,
 )
-from muoneq.optim.executors import row_shard_dim
 
 BATCHING = ("auto", "per_matrix", "stacked")
 
 
-@dataclasses.dataclass(frozen=True)
-class MatrixDefaults:
-    """The defaults of the arguments every matrix optimizer shares, each written once: every
-    constructor names them in its signature (``momentum: float = DEFAULTS.momentum``), so
-    ``help()``, IDEs and type checkers show each optimizer's whole signature. A method's own
-    default differs by being written there instead (Mousse's ``nesterov: bool = False``)."""
+class Shared(TypedDict, total=False):
+    """The keywords every matrix optimizer here takes, declared once: each constructor names
+    its own keywords and takes these as ``**shared: Unpack[Shared]`` (which IDEs and type
+    checkers read). Their meaning: :class:`muoneq.MuonEq`'s docstring; their defaults:
+    :data:`SHARED_DEFAULTS` (a method's own: its ``shared_defaults``)."""
 
-    lr: float = 1e-3
-    momentum: float = 0.95
-    nesterov: bool = True
-    weight_decay: float = 0.1
-    ns_steps: int = 5
-    ns_coefficients: Coefficients = "quintic"
-    ns_dtype: str | torch.dtype = "auto"
-    lr_adjust: str = "rms"
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    distributed: bool | str = "auto"
-    batching: str = "auto"
-    workspace_limit: int | None = None
-    ns_backend: Backend = "torch"
+    lr: float | Tensor
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    ns_steps: int
+    ns_coefficients: Coefficients
+    ns_dtype: str | torch.dtype
+    lr_adjust: str
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    distributed: bool | str
+    batching: str
+    workspace_limit: int | str | None
+    ns_backend: Backend
+    process_group: dist.ProcessGroup | None
 
 
-#: The shared defaults (:class:`MatrixDefaults`).
-DEFAULTS = MatrixDefaults()
+#: The defaults of :class:`Shared`.
+SHARED_DEFAULTS = Shared(
+    lr=1e-3, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
+    ns_coefficients="quintic", ns_dtype="auto", lr_adjust="rms", adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8, distributed="auto", batching="auto", workspace_limit="auto",
+    ns_backend="torch", process_group=None,
+)
+#: The keywords of :class:`Shared` that choose how, not what, is computed: options kept by the
+#: optimizer (and its copies), not param-group keys.
+OPTIONS = ("distributed", "batching", "workspace_limit", "ns_backend", "process_group")
+#: ``workspace_limit="auto"``: this many times the extra memory ``torch.optim.Muon``'s step
+#: takes for the largest matrix (:func:`~muoneq.optim.plan.muon_step_bytes`).
+AUTO_WORKSPACE_OVER_MUON = 2
 
 
 class HybridOrthogonalOptimizer(OptimizerBase):
@@ -136,7 +136,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       banks ``(experts, out, in)``);
     * ``splits`` (default None): row counts of the blocks of a fused weight (Q, K, V;
       gate, up), each equilibrated, orthogonalized and scaled as a matrix of its own
-      (stateless directions only).
+      (methods without :attr:`banked_state` only).
 
     Options of how, not what, is computed:
 
@@ -145,12 +145,12 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       than one rank and the parameters are replicated (DDP); ``False`` makes every rank compute
       every matrix; ``True`` is ``"auto"`` that raises if no process group is initialized.
       Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
-      setting. Only methods whose :attr:`stateless_direction` is true can be split.
+      setting. A method with state of its own (:attr:`banked_state`) is never split.
     * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
       in one batched call) or ``"auto"`` (default): stacked on accelerators, per matrix on CPU.
     * ``workspace_limit``: bytes of scratch the stacked path keeps (:attr:`workspace_bytes`),
       bounded by stacking fewer matrices per call (``None``: up to
-      :data:`~muoneq.optim.executors.STACK_ELEMENTS` elements).
+      :data:`~muoneq.optim.plan.STACK_ELEMENTS` elements).
     """
 
     hyperparameters = {
@@ -167,60 +167,68 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         "lr_adjust": Hyper(choice(*LR_ADJUST), when="use_muon"),
         "adamw_betas": Hyper(betas),
         "adamw_eps": Hyper(nonnegative),
-        "use_muon": Hyper(boolean, argument=False, default=True),
+        "use_muon": Hyper(boolean),
         # how the group's parameters are stored (muoneq.layout): group keys, not arguments
-        "transposed": Hyper(boolean, when="use_muon", argument=False, default=False),
-        "batch_dims": Hyper(integer(0), when="use_muon", argument=False, default=0),
-        "splits": Hyper(check_splits, when="use_muon", argument=False, default=None),
+        "transposed": Hyper(boolean, when="use_muon"),
+        "batch_dims": Hyper(integer(0), when="use_muon"),
+        "splits": Hyper(check_splits, when="use_muon"),
     }
     added_keys = {"transposed": False, "batch_dims": 0, "splits": None}
 
-    #: True when :meth:`_direction` is a function of ``m_tilde`` and the group only (it ignores
-    #: ``p`` and ``state``, may be called with ``p = state = None``) and accepts a batch
-    #: ``(..., m, n)`` returned in the group's ``ns_dtype``. Such directions can be computed by
-    #: any rank and stacked. A subclass that overrides ``_direction`` without setting this
-    #: attribute again is treated as stateful (computed on every rank, one matrix at a time).
-    stateless_direction: bool = False
+    #: ``torch.compile`` each chunk's prologue and update (MuonEq's ``compile=True``)
+    compile: bool = False
+    #: :meth:`finish` returns Newton–Schulz's dtype (the default ``finish``, or one that works
+    #: in it), not the float32 a method's own arithmetic gives: what the directions travel in
+    #: between ranks (so that nothing rounds twice)
+    finishes_in_ns_dtype: ClassVar[bool] = True
+    #: The method's own defaults of :class:`Shared` keywords (Mousse's ``nesterov=False``),
+    #: over :data:`SHARED_DEFAULTS`.
+    shared_defaults: ClassVar[Shared] = Shared()
     #: State of a method's own kept per matrix in banks like the momentum (key → its
-    #: :class:`~muoneq.optim.engine.Banked` shape and dtype), so that the stacked path's
-    #: ``prepare`` and ``finish`` read it stacked.
+    #: :class:`~muoneq.optim.plan.Banked` shape and dtype), so that ``prepare`` and ``finish``
+    #: read it stacked (``segment.state``). Such a method keeps its state on every rank: DDP
+    #: does not split its matrices, and under FSDP2 every rank computes every one.
     banked_state: ClassVar[StateShapes] = {}
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "_direction" in cls.__dict__ and "stateless_direction" not in cls.__dict__:
-            cls.stateless_direction = False
+    @classmethod
+    def shared_keywords(cls) -> dict[str, tuple[Any, Any]]:
+        defaults = {**SHARED_DEFAULTS, **cls.shared_defaults}
+        # annotations as written (``from __future__ import annotations``: TypedDict keeps them
+        # as forward references)
+        return {name: (getattr(annotation, "__forward_arg__", annotation), defaults[name])
+                for name, annotation in Shared.__annotations__.items()}
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None, **hyperparameters):
-        given = arguments(locals())  # a subclass's own hyper-parameters come in **
+    def __init__(self, params: ParamsT, method_defaults: dict[str, Any] | None = None,
+                 **shared: Unpack[Shared]):
+        """``method_defaults``: a subclass's own hyper-parameters, ``dict(beta2=beta2, …)``."""
+        unknown = {k: v for k, v in shared.items() if k not in SHARED_DEFAULTS}
+        refuse_unknown(type(self), unknown)
+        given = {**SHARED_DEFAULTS, **self.shared_defaults, **shared}
+        distributed, batching = given["distributed"], given["batching"]
+        workspace_limit = given["workspace_limit"]
         if not (isinstance(distributed, bool) or distributed == "auto"):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if batching not in BATCHING:
             raise ValueError(
                 f"batching: unknown value {batching!r}; allowed: {', '.join(BATCHING)}"
             )
-        if workspace_limit is not None and (isinstance(workspace_limit, bool) or not isinstance(
-                workspace_limit, int) or workspace_limit < 0):
-            raise ValueError("workspace_limit: expected None or a number of bytes ≥ 0, got "
-                             f"{workspace_limit!r}")
+        if workspace_limit not in (None, "auto") and (
+                isinstance(workspace_limit, bool) or not isinstance(workspace_limit, int)
+                or workspace_limit < 0):
+            raise ValueError("workspace_limit: expected 'auto', None or a number of bytes ≥ 0, "
+                             f"got {workspace_limit!r}")
         self.distributed = distributed
         self.batching = batching
         self.workspace_limit = workspace_limit
-        self.ns_backend = canonical_backend(ns_backend)
-        self.process_group = process_group
-        super().__init__(params, **{k: v for k, v in given.items() if k not in self._options()})
+        self.ns_backend = canonical_backend(given["ns_backend"])
+        self.process_group = given["process_group"]
+        defaults = dict(lr=given["lr"], momentum=given["momentum"], nesterov=given["nesterov"],
+                        weight_decay=given["weight_decay"], ns_steps=given["ns_steps"],
+                        ns_coefficients=given["ns_coefficients"], ns_dtype=given["ns_dtype"],
+                        lr_adjust=given["lr_adjust"], adamw_betas=given["adamw_betas"],
+                        adamw_eps=given["adamw_eps"], use_muon=True, transposed=False,
+                        batch_dims=0, splits=None, **(method_defaults or {}))
+        super().__init__(params, defaults)
         if self.ns_backend == "triton":
             self._check_triton()
 
@@ -246,25 +254,27 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _reset_caches(self) -> None:
         self._checked_same_gradients = False
-        self._workspace = Workspace()  # scratch of the per-matrix path, one matrix's worth
-        self._stack_workspace = Workspace()  # buffers of the stacked path, one chunk's worth
-        self._compiled = None  # a torch.compile'd run_schedule (MuonEq(compile=True))
-        self._orthogonalizers: dict[tuple, Callable[..., Tensor]] = {}
+        self._workspace = Workspace()  # the chunks' buffers, the largest chunk's of each name
+        #: ``torch.compile``'d prologue and update of each chunk shape (``compile=True``)
+        self._compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
         self._plans: list[GroupPlan | None] = []  # one per param group (None: AdamW)
-        self._stacks: tuple[tuple, dict[int, tuple[StackSettings, list[Chunk]]]] | None = None
+        self._steps: tuple[tuple, dict[int, GroupStep]] | None = None
 
     @property
     def workspace_bytes(self) -> int:
-        """Scratch memory kept between steps, not optimizer state: the stacked path's buffers as
+        """Scratch memory kept between steps, not optimizer state: the chunks' buffers as
         planned (at most ``workspace_limit`` where one parameter per chunk allows; planned now
-        if no step has run yet) and the copies of banks staged into them (weights stored
-        transposed or as blocks, parameters below float32 with Nesterov), and the per-matrix
-        path's temporaries (one matrix's)."""
-        stacks = self._planned()
-        staged = {id(s.bank): s.bank.gather for _, chunks in stacks.values() for c in chunks
-                  for s in c.segments if s.bank.gather is not None}
-        return (self._workspace.nbytes + self._stack_workspace.nbytes
-                + sum(t.numel() * t.element_size() for t in staged.values()))
+        if no step has run yet), the copies of banks staged into them (weights stored
+        transposed or as blocks, parameters below float32 with Nesterov, FSDP2's whole
+        matrices) and the buffers a distributed step exchanges."""
+        steps = self._planned()
+        staged = {id(s.bank): s.bank.gather for step in steps.values()
+                  for c in step.chunks + step.exchanged for s in c.segments
+                  if s.bank.gather is not None}
+        wires = [t for step in steps.values() if step.exchange is not None
+                 for t in step.exchange.buffers]
+        return self._workspace.nbytes + sum(t.numel() * t.element_size()
+                                            for t in [*staged.values(), *wires])
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
@@ -293,22 +303,23 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                 if pname is None:
                     raise
                 raise ValueError(f"{err} (parameter {pname!r})") from None
-            if len(layout.blocks) > 1 and not self.stateless_direction:
+            if len(layout.blocks) > 1 and self.banked_state:
                 raise ValueError(
                     f"splits/batch_dims: {name} keeps state per matrix parameter, so {which} "
                     f"must be one matrix (got {layout.describe()}); split fused weights with "
                     "MuonEq or Muon, or leave splits=None and batch_dims=0"
                 )
+            distributed.check_layout(p)
 
     # ----------------------------------------------------------------- state
     def _init_group(self, group: dict) -> None:
         if not group["use_muon"]:
             super()._init_group(group)
         self._plans.append(self._plan_group(group) if group["use_muon"] else None)
-        self._stacks = None
+        self._steps = None
 
     def _plan_group(self, group: dict) -> GroupPlan:
-        """Bank the momentum of a matrix group (:mod:`muoneq.optim.engine`), creating the state
+        """Bank the momentum of a matrix group (:mod:`muoneq.optim.plan`), creating the state
         of every parameter that has none (new, reset, or loaded without it)."""
         params = group["params"]
         missing = [p for p in params if not self.state[p]]
@@ -319,11 +330,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         return GroupPlan.of(params, layouts, banks, self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``; the loaded momentum is then copied
-        into this optimizer's banks (the given state dict is left as it was)."""
+        """As :meth:`muoneq.optim.base.OptimizerBase.load_state_dict`; the loaded momentum is
+        then copied into this optimizer's banks (the given state dict is left as it was)."""
         super().load_state_dict(state_dict)
         self._plans = [self._plan_group(g) if g["use_muon"] else None for g in self.param_groups]
-        self._stacks = None
+        self._steps = None
 
     def _init_state(self, p: Tensor, group: dict) -> None:
         if group["use_muon"]:
@@ -333,212 +344,173 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
         """Persistent state of a matrix parameter: one momentum buffer (as Muon), in the
-        stored layout (state of a method's own is kept in the matrix view,
+        stored layout (state of a method's own, :attr:`banked_state`, in the matrix view
         ``MatrixLayout.of(p, group).matrix``). Parameters of one stored shape share one
-        momentum tensor (a bank, :mod:`muoneq.optim.engine`); each holds a view of it."""
+        momentum tensor (a bank, :mod:`muoneq.optim.plan`); each holds a view of it."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    # ----------------------------------------------------------------- the update
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """Map the (Nesterov-mixed) momentum, viewed as a matrix, to the update direction.
+    # ----------------------------------------------------------------- the method's rule
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
+        """The matrices Newton–Schulz orthogonalizes (before DiagPre, for MuonEq), from ``M̃``
+        of one segment's rows: ``M`` ``(k, m, n)`` in float32 at least (read only; ``out`` is
+        scratch of its shape and dtype the method may write). ``segment`` holds these matrices'
+        parameters, banked state (``segment.state``) and layout. Default: ``M̃`` itself."""
+        return M
 
-        ``m_tilde`` is one ``(out, in·…)`` matrix (a block of ``p`` when its group has
-        ``splits`` or ``batch_dims``), whatever ``p``'s stored layout. ``p``, ``m_tilde`` and
-        ``state`` are whole (under FSDP2 they are gathered for methods that are not
-        :attr:`stateless_direction`). ``m_tilde`` is scratch (the method may overwrite it); the
-        returned tensor is consumed before the next call (it may live in a reused buffer).
-        """
-        raise NotImplementedError
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        """The directions of one segment's rows from their Newton–Schulz output ``O``
+        ``(k, m, n)`` (NS dtype): what line 13 applies. Default: ``O`` itself."""
+        return O
 
-    def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
-        """FLOPs of one direction of a ``shape`` matrix (balances the split between ranks)."""
-        return ns_flops(shape, group["ns_steps"])
-
-    def _orthogonalizer(self, group: dict, device: torch.device) -> Callable[..., Tensor]:
-        """The group's Newton–Schulz, validated once per setting (not per matrix and step):
-        ``orthogonalize(G, workspace=None)``, :func:`muoneq.newton_schulz.orthogonalizer` of
-        the group's ``ns_steps``, ``ns_coefficients``, ``ns_dtype`` (on ``device``) and
-        ``ns_algorithm``. Every method here orthogonalizes through it."""
-        key = (group["ns_steps"], group["ns_coefficients"], group["ns_dtype"],
-               group.get("ns_algorithm", "standard"), torch.device(device).type)
-        found = self._orthogonalizers.get(key)
-        if found is None:
-            found = self._orthogonalizers[key] = orthogonalizer(
-                *key[:4], device=device, run=self._compiled or run_schedule,
-                backend=self.ns_backend)
-        return found
-
-    def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
-        """How the group's directions are computed: the method's own :meth:`_direction`
-        (MuonEq's stages override this)."""
-        return DirectionRule(direction=functools.partial(self._direction, group=group),
-                             state=self.state.__getitem__, stacked=stacked,
-                             stack_elements=executors.STACK_ELEMENTS, workspace=self._workspace)
-
+    # ----------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, closure=None):
-        """One step: Algorithm 1 for every matrix group, AdamW for the others; ``closure`` is
-        evaluated first, with gradients enabled, and its loss returned."""
+        """One step: Algorithm 1 for every matrix group (:func:`muoneq.functional.step_stacks`,
+        or its distributed form), AdamW for the others; ``closure`` is evaluated first, with
+        gradients enabled, and its loss returned."""
         loss = self._evaluate(closure)
-        stacks = self._planned()
+        steps = self._planned()
         for index, group in enumerate(self.param_groups):
-            if group["use_muon"]:
-                self._step_matrices(group, self._plans[index], stacks.get(index))
+            if not group["use_muon"]:
+                prepared = self._group_to_step(group)
+                if prepared is not None:
+                    group, params = prepared
+                    beta1, beta2 = group["adamw_betas"]
+                    adamw_update(params, [p.grad for p in params],
+                                 [self.state[p] for p in params], lr=group["lr"], beta1=beta1,
+                                 beta2=beta2, eps=group["adamw_eps"],
+                                 weight_decay=group["weight_decay"],
+                                 capturable=group.get("capturable", False))
                 continue
-            prepared = self._group_to_step(group)
-            if prepared is not None:
-                group, params = prepared
-                beta1, beta2 = group["adamw_betas"]
-                adamw_update(params, [p.grad for p in params], [self.state[p] for p in params],
-                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["adamw_eps"],
-                             weight_decay=group["weight_decay"],
-                             capturable=group.get("capturable", False))
+            planned = steps[index]
+            if not planned.params or planned.params[0].grad is None:  # no gradient at all
+                continue
+            capturable = group.get("capturable", False)
+            settings = planned.settings
+            arguments = dict(
+                rule=self, group=group, lr=group["lr"] if capturable else scalar(group["lr"]),
+                weight_decay=group["weight_decay"], beta=group["momentum"],
+                nesterov=group["nesterov"], mode=settings.mode, eps=group.get("eps", 0.0),
+                ns=settings.ns, decay=planned.decay, compiled=self._compiled)
+            grads = [local(p.grad) for p in planned.params]
+            if planned.exchange is None:
+                step_stacks(planned.chunks, planned.params, grads, planned.momenta, **arguments)
+            else:
+                distributed.step_exchanged(planned, grads, **arguments)
         return loss
 
-    def _planned(self) -> dict[int, tuple[StackSettings, list[Chunk]]]:
+    def _planned(self) -> dict[int, GroupStep]:
         """Check the plans (Python only: no tensor is touched unless something changed) and
-        return the stacks of the groups that take the stacked path, planned again when a
-        group, its state or a setting they depend on changed."""
+        return each matrix group's step as planned (the groups with a gradient), planned again
+        when a group, its state, which of its matrices have a gradient, or a setting they
+        depend on changed."""
         plans = self._plans
         if len(plans) != len(self.param_groups):
             plans = self._plans = [None] * len(self.param_groups)
+        wanted = []
         for index, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                continue
             plan = plans[index]
-            if group["use_muon"] and (plan is None or
-                                      not plan.matches(group["params"], self.state)):
-                plans[index] = self._plan_group(group)
-                self._stacks = None
-        split = self._split_group()  # DDP: the executors split the matrices, no stacks here
-        wanted = tuple((index, self._stack_settings(group, plan))
-                       for index, (group, plan) in enumerate(zip(self.param_groups, plans,
-                                                                 strict=True))
-                       if plan is not None and plan.params and plan.replicated and split is None)
-        key = (wanted, executors.STACK_ELEMENTS, self.workspace_limit)
-        if self._stacks is None or self._stacks[0] != key:
-            self._stack_workspace, stacks = self._plan_stacks(plans, wanted)
-            for settings, chunks in stacks.values():
-                carve(chunks, settings, self._stack_workspace)
-            self._stacks = (key, stacks)
-        return self._stacks[1]
+            if plan is None or not plan.matches(group["params"], self.state):
+                plan = plans[index] = self._plan_group(group)
+                self._steps = None
+            grads = [p.grad for p in plan.params]
+            if any(g is not None and g.is_sparse for g in grads):
+                raise self._sparse_error()
+            # a group none of whose matrices has a gradient is planned whole (its buffers are
+            # what ``workspace_bytes`` reports before the first step) and not stepped
+            present = tuple(g is not None for g in grads)
+            wanted.append((index, self._stack_settings(group, plan),
+                           present if any(present) else (True,) * len(present)))
+        key = (tuple(wanted), planning.STACK_ELEMENTS, self.workspace_limit)
+        if self._steps is None or self._steps[0] != key:
+            self._steps = (key, self._plan_steps(wanted))
+        return self._steps[1]
 
-    def _plan_stacks(self, plans: list[GroupPlan | None], wanted: tuple) -> tuple[Workspace, dict]:
-        """The chunks of every stacked group, their buffers reserved in one workspace that the
-        chunks share (each buffer as large as its largest chunk's) and that holds at most
-        ``workspace_limit`` bytes where chunks of one parameter allow: the bytes a chunk may
-        take are lowered until the workspace fits."""
-        limit = chunk_bytes = self.workspace_limit
-        while True:
-            workspace = Workspace()
-            stacks = {index: (settings, plan_stacks(plans[index], settings,
-                                                    executors.STACK_ELEMENTS, workspace,
-                                                    chunk_bytes))
-                      for index, settings in wanted if settings is not None}
-            planned = workspace.reserved_bytes
-            several = any(len(c.segments) > 1 or c.segments[0].hi - c.segments[0].lo > 1
-                          for _, chunks in stacks.values() for c in chunks)
-            if limit is None or planned <= limit or not several:
-                return workspace, stacks
-            chunk_bytes = min(chunk_bytes * limit // planned, chunk_bytes * 15 // 16)
+    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings:
+        """What a group's chunks depend on (:class:`~muoneq.optim.plan.StackSettings`)."""
+        device = plan.params[0].device
+        return StackSettings(group.get("mode", "none"), group["nesterov"],
+                             ns_settings(group["ns_steps"], group["ns_coefficients"],
+                                         group["ns_dtype"], group.get("ns_algorithm",
+                                                                      "standard"),
+                                         self.ns_backend, device=device),
+                             group["lr_adjust"], per_matrix=not self._stacked(device),
+                             wire=None if self.finishes_in_ns_dtype else torch.promote_types(
+                                 plan.params[0].dtype, torch.float32))
+
+    def _plan_steps(self, wanted: list[tuple[int, StackSettings, tuple[bool, ...]]]
+                    ) -> dict[int, GroupStep]:
+        """Plan the chunks of every group in ``wanted`` and carve their buffers from one
+        workspace within ``workspace_limit`` (:func:`~muoneq.optim.plan.plan_workspace`); a
+        group split between DDP ranks or sharded by FSDP2 gets its exchange
+        (:mod:`muoneq.optim.distributed`), whose chunks are carved from the same workspace."""
+        exchanges = {index: self._exchange_of(self._plans[index], present)
+                     for index, _, present in wanted}
+        planned = {index: (self._plans[index], settings, present,
+                           distributed.computed_banks(self._plans[index], exchanges[index]))
+                   for index, settings, present in wanted}
+        limit = self.workspace_limit
+        if limit == "auto":
+            limit = AUTO_WORKSPACE_OVER_MUON * max(
+                (muon_step_bytes(block, p.dtype, self.param_groups[index]["nesterov"])
+                 for index, (plan, *_) in planned.items()
+                 for p, layout in zip(plan.params, plan.layouts, strict=True)
+                 for block in layout.blocks), default=0)
+        self._workspace, chunks = plan_workspace(planned, limit)
+        steps = {}
+        for index, settings, present in wanted:
+            plan, exchange = self._plans[index], exchanges[index]
+            exchanged = distributed.plan_exchange(exchange, chunks[index], settings,
+                                                  self._workspace)
+            for part in (chunks[index], exchanged):
+                carve(part, settings, self._workspace)
+            distributed.carve_exchange(exchange, chunks[index], exchanged, settings)
+            params = [p for p, ok in zip(plan.params, present, strict=True) if ok]
+            momenta = [m for m, ok in zip(plan.momenta, present, strict=True) if ok]
+            steps[index] = GroupStep(settings, params, momenta, chunks[index], exchanged,
+                                     exchange, plan.decay)
+            if self.compile:
+                for chunk in chunks[index] + exchanged:
+                    for stage, fn in (("prologue", prologue), ("update", add_directions)):
+                        if (stage, chunk.shape) not in self._compiled:
+                            self._compiled[stage, chunk.shape] = compiled_copy(fn, chunk.shape)
+        return steps
+
+    def _exchange_of(self, plan: GroupPlan, present: tuple[bool, ...]):
+        """How a group's matrices are shared out between processes: row-sharded ``DTensor``
+        parameters (FSDP2) gather whole matrices on their owners; replicated ones under DDP are
+        split between the ranks of :meth:`_split_group`; ``None``: this process computes every
+        matrix."""
+        if plan.sharded:
+            return distributed.Sharded.of(plan, present, everyone=bool(self.banked_state))
+        group = self._split_group()
+        if group is None:
+            return None
+        if not self._checked_same_gradients:
+            distributed.check_same_gradients(
+                [p.grad for p, ok in zip(plan.params, present, strict=True) if ok], group)
+            self._checked_same_gradients = True
+        return distributed.Split(group)
 
     @property
     def planned_backends(self) -> dict[tuple[int, int], str]:
-        """The Newton–Schulz backend of each shape of matrices the stacked path steps, as
-        planned at the last step (``ns_backend="auto"`` chooses per shape)."""
-        stacks = {} if self._stacks is None else self._stacks[1]
-        return {chunk.shape: chunk.backend for _, chunks in stacks.values() for chunk in chunks}
-
-    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
-        """What the stacked path of :mod:`muoneq.optim.engine` needs of a group, ``None`` where
-        it does not apply (the method's rule is one matrix at a time). A method whose rule is a
-        batched ``prepare``, DiagPre (or nothing), Newton–Schulz and a batched ``finish``
-        returns :meth:`_stacked_settings` (every method here)."""
-        return None
-
-    def _stacked_settings(self, group: dict, plan: GroupPlan, mode: str,
-                          finish: Callable | None = None,
-                          prepare: Callable | None = None) -> StackSettings | None:
-        """The stacked path's settings for a group whose matrices are stacked (``batching``),
-        with ``prepare`` and ``mode`` DiagPre before Newton–Schulz and ``finish`` after it
-        (:class:`~muoneq.optim.engine.StackSettings`; ``compile=True`` compiles each chunk's
-        prologue and update)."""
-        device = plan.params[0].device
-        if not self._stacked(device):
-            return None
-        orthogonalize = self._orthogonalizer(group, device)
-        return StackSettings(mode, group["nesterov"], orthogonalize.keywords["dtype"],
-                             orthogonalize.keywords["schedule"],
-                             group.get("ns_algorithm", "standard"), group["lr_adjust"],
-                             self.ns_backend, compile=self._compiled is not None,
-                             prepare=prepare, finish=finish)
+        """The Newton–Schulz backend of each shape of matrices, as planned at the last step
+        (``ns_backend="auto"`` chooses per shape)."""
+        steps = {} if self._steps is None else self._steps[1]
+        return {chunk.shape: chunk.iteration.name for step in steps.values()
+                for chunk in step.exchanged or step.chunks}
 
     def _stacked(self, device: torch.device) -> bool:
         """Whether the group's matrices are stacked (``batching``; ``"auto"``: off the CPU)."""
         return self.batching == "stacked" or (self.batching == "auto" and device.type != "cpu")
 
-    def _step_matrices(self, group: dict, plan: GroupPlan,
-                       stacks: tuple[StackSettings, list[Chunk]] | None) -> None:
-        """Lines 5–13 for a matrix group: planned stacks when every parameter has a gradient
-        and this process computes every matrix, else the per-slot path and the executors."""
-        grads = [p.grad for p in plan.params]
-        present = [g is not None for g in grads]
-        if not any(present):
-            return
-        if any(g.is_sparse for g in grads if g is not None):
-            raise self._sparse_error()
-        capturable = group.get("capturable", False)
-        settings = UpdateSettings(lr=group["lr"] if capturable else scalar(group["lr"]),
-                                  weight_decay=group["weight_decay"],
-                                  momentum=group["momentum"], nesterov=group["nesterov"],
-                                  lr_adjust=group["lr_adjust"])
-        if stacks is not None and all(present) and self._split_group() is None:
-            stack, chunks = stacks
-            step_stacks(plan, chunks, grads, settings, stack, eps=group.get("eps", 0.0),
-                        workspace=self._stack_workspace)
-            return
-        if capturable:
-            raise RuntimeError(
-                "capturable=True: this step cannot take the stacked path (it needs every "
-                "matrix of the group with a gradient, one process computing them all, plain "
-                "tensors, batching='stacked' or an accelerator); use capturable=False"
-            )
-        slots = [slot if slot is not None else
-                 MatrixSlot(p, local(p), local(self.state[p]["momentum_buffer"]), layout)
-                 for slot, p, layout, ok in zip(plan.slots, plan.params, plan.layouts, present,
-                                                strict=True) if ok]
-        torch._foreach_lerp_([s.momentum for s in slots], [s.grad for s in slots],
-                             1 - group["momentum"])  # line 5: M ← βM + (1−β)G
-        replicated = [s for s in slots if row_shard_dim(s.param) is None]
-        update = self._update(group, settings, replicated or slots)
-        split = self._split_group() if replicated else None
-        if split is None:  # lines 6–13 for every matrix, on this process
-            directions([(s, update.whole_m_tilde(s)) for s in replicated], update.rule,
-                       update.apply)
-        else:
-            if not self._checked_same_gradients:
-                executors.check_same_gradients(replicated, split)
-                self._checked_same_gradients = True
-            executors.split_replicated(replicated, update, split,
-                                       self._costs(replicated, group))
-        self._step_row_shards([s for s in slots if row_shard_dim(s.param) is not None],
-                              group, settings)
-
-    def _update(self, group: dict, settings: UpdateSettings,
-                slots: list[MatrixSlot]) -> GroupUpdate:
-        """What the per-slot path and the executors need of ``group`` this step."""
-        device = slots[0].value.device
-        stacked = self.stateless_direction and self._stacked(device)
-        return GroupUpdate(settings, self._rule(group, device, stacked),
-                           resolve_dtype(group["ns_dtype"], device), self._workspace)
-
-    def _costs(self, slots: list[MatrixSlot], group: dict) -> list[float]:
-        """FLOPs of each slot's directions (the sum over its blocks): what owners balance."""
-        return [sum(self._direction_flops(shape, group) for shape in s.layout.blocks)
-                for s in slots]
-
     def _split_group(self):
-        """The process group to split replicated matrices over, ``None`` to compute them here."""
-        if not self.stateless_direction or self.distributed is False:
+        """The process group to split replicated matrices over, ``None`` to compute them here
+        (methods with state of their own keep it on every rank: never split)."""
+        if self.banked_state or self.distributed is False:
             return None
         if not (dist.is_available() and dist.is_initialized()):
             if self.distributed is True:
@@ -549,17 +521,3 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             return None
         group = self.process_group or dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
-
-    def _step_row_shards(self, slots: list[MatrixSlot], group: dict,
-                         settings: UpdateSettings) -> None:
-        """FSDP2: whole matrices gathered on an owner rank, or on every rank for methods with
-        state of their own."""
-        by_mesh: dict[tuple, list[MatrixSlot]] = {}
-        for s in slots:
-            by_mesh.setdefault((id(s.param.device_mesh), row_shard_dim(s.param)), []).append(s)
-        for (_, dim), part in by_mesh.items():
-            update = self._update(group, settings, part)
-            if self.stateless_direction:
-                executors.gather_row_shards(part, update, dim, self._costs(part, group))
-            else:
-                executors.gather_whole(part, update)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Never
+
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.optim.adamw import adamw_update, init_adamw_state
-from muoneq.optim.base import Hyper, OptimizerBase, arguments
+from muoneq.optim.base import Hyper, OptimizerBase, refuse_unknown
 from muoneq.optim.checks import betas, boolean, nonnegative
 
 
@@ -63,8 +65,11 @@ class MarsAdamW(OptimizerBase):
 
     def __init__(self, params: ParamsT, *, lr: float | Tensor = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, gamma: float = 0.025, optimize_1d: bool = False):
-        super().__init__(params, **arguments(locals()))
+                 weight_decay: float = 0.1, gamma: float = 0.025, optimize_1d: bool = False,
+                 **misspelled: Never):
+        refuse_unknown(type(self), misspelled)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      gamma=gamma, optimize_1d=optimize_1d))
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)

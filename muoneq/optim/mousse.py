@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Backend, Coefficients
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper, matched_by_name
 from muoneq.optim.checks import decay, integer, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment, is_dtensor
 
 
 def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -34,6 +34,11 @@ def _accumulate(factor: Tensor, A: Tensor, B: Tensor, beta: float) -> None:
     """``F ← β·F + (1−β)·A·B`` for one factor or a stack (``addmm``/``baddbmm``)."""
     product = factor.mul_(beta).addmm_ if factor.ndim == 2 else factor.mul_(beta).baddbmm_
     product(A, B, alpha=1 - beta)
+
+
+def full(t: Tensor) -> Tensor:
+    """A whole tensor: a ``DTensor``'s ``full_tensor()`` (FSDP2's gradients), any other itself."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 #: State kept in at least float32 whatever the parameter's dtype.
@@ -83,28 +88,20 @@ class Mousse(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "alpha": Hyper(nonnegative, when="use_muon"),
         "precond_beta": Hyper(decay, when="use_muon"),
         "precond_eps": Hyper(nonnegative, when="use_muon"),
         "precond_every": Hyper(integer(1), when="use_muon"),
     }
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = False,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = "spectral_unclamped",
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, alpha: float = 0.125,
-                 precond_beta: float = 0.95, precond_eps: float = 1e-5,
-                 precond_every: int = 10,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(params, **arguments(locals()))
+    shared_defaults = Shared(nesterov=False, lr_adjust="spectral_unclamped")
+
+    def __init__(self, params: ParamsT, *, alpha: float = 0.125, precond_beta: float = 0.95,
+                 precond_eps: float = 1e-5, precond_every: int = 10, **shared: Unpack[Shared]):
+        super().__init__(params, dict(alpha=alpha, precond_beta=precond_beta,
+                                      precond_eps=precond_eps, precond_every=precond_every),
+                         **shared)
 
     #: The curvature state and the step counts are banked like the momentum, in at least
     #: float32 (the counts in float32): the stacked path reads them stacked.
@@ -137,6 +134,7 @@ class Mousse(HybridOrthogonalOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the curvature state keeps its own
         (≥ float32) dtype: the base class would cast it to the dtype of a bf16 parameter."""
+        state_dict = matched_by_name(state_dict, self.param_groups)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         saved = {i: dict(state_dict["state"].get(i, {})) for i in saved_ids}
         super().load_state_dict(state_dict)
@@ -146,24 +144,17 @@ class Mousse(HybridOrthogonalOptimizer):
             for key in _CURVATURE_KEYS.intersection(saved[saved_id]):
                 self.state[p][key] = saved[saved_id][key].to(device=p.device, dtype=dtype)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        (G,) = MatrixLayout.of(p, group).matrices(p.grad)
-        whitened = self._whitened(m_tilde, G, state, group)
-        O = self._orthogonalizer(group, whitened.device)(whitened)
-        return self._mapped_back(O, state, group)
+    def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
+        """The factors' update from the gradients (whole: a sharded one is gathered), then the
+        whitened ``M̃``."""
+        grads = torch.stack([full(p.grad) for p in segment.params])
+        G = segment.layout.stacked_blocks(grads)[segment.split].reshape(M.shape)
+        return self._whitened(M, G, segment.state, group)
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def prepare(M: Tensor, segments, out: Tensor) -> Tensor:
-            def whiten(rows: Tensor, s) -> Tensor:
-                grads = torch.stack([p.grad for p in s.params])
-                G = s.bank.layout.stacked_blocks(grads)[s.split].reshape(rows.shape)
-                return self._whitened(rows, G, s.state, group)
-            return by_segment(M, segments, whiten)
+    finishes_in_ns_dtype = False
 
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._mapped_back(rows, s.state,
-                                                                            group))
-        return self._stacked_settings(group, plan, "none", finish, prepare)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._mapped_back(O, segment.state, group)
 
     @staticmethod
     def _whitened(M: Tensor, G: Tensor, state: dict, group: dict) -> Tensor:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.newton_schulz import Backend, Coefficients
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import choice, nonnegative
-from muoneq.optim.engine import StackSettings
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Segment
 
 #: Post-orthogonalization normalizations, applied left to right ("col_row": columns first).
 NORM_MODES = ("none", "col", "row", "col_row", "row_col")
@@ -66,37 +66,21 @@ class MuonPlus(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "norm_mode": Hyper(choice(*NORM_MODES, normalize=_norm_mode_key), when="use_muon"),
         "norm_eps": Hyper(nonnegative, when="use_muon"),
     }
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = "spectral_unclamped",
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, norm_mode: str = "col_row",
-                 norm_eps: float = 1e-8,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(params, **arguments(locals()))
+    shared_defaults = Shared(lr_adjust="spectral_unclamped")
 
-    #: The direction is a function of ``M̃`` alone and takes a stack: Muon+ splits between DDP
-    #: ranks and rides the stacked path like MuonEq.
-    stateless_direction = True
+    def __init__(self, params: ParamsT, *, norm_mode: str = "col_row", norm_eps: float = 1e-8,
+                 **shared: Unpack[Shared]):
+        super().__init__(params, dict(norm_mode=norm_mode, norm_eps=norm_eps), **shared)
 
-    def _direction(self, p: Tensor | None, m_tilde: Tensor, state: dict | None,
-                   group: dict) -> Tensor:
-        return self._normalized(self._orthogonalizer(group, m_tilde.device)(m_tilde), group)
+    finishes_in_ns_dtype = False
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        return self._stacked_settings(group, plan, "none",
-                                      lambda U, segments: self._normalized(U, group))
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._normalized(O, group)
 
     @staticmethod
     def _normalized(U: Tensor, group: dict) -> Tensor:

@@ -2,35 +2,26 @@
 
 from __future__ import annotations
 
-import functools
-import math
+from typing import Unpack
 
-import torch
-import torch.distributed as dist
-from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.functional import canonical_mode, equilibrate
+from muoneq.functional import canonical_mode
 from muoneq.newton_schulz import (
-    Backend,
-    Coefficients,
     canonical_algorithm,
-    ns_flops,
-    run_schedule,
 )
-from muoneq.optim import executors
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, converted, nonnegative
-from muoneq.optim.engine import DirectionRule, GroupPlan, StackSettings
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
 
 
 class MuonEq(HybridOrthogonalOptimizer):
     r"""MuonEq: balancing before orthogonalization (Chang et al., 2026).
 
     For every matrix parameter ``X`` (m×n; conv filters as ``(out, in·kh·kw)``) with gradient
-    ``G`` one step is Algorithm 1 with the EMA momentum convention (the functions of
-    :mod:`muoneq.functional`, :func:`~muoneq.functional.muoneq_update` for one matrix):
+    ``G`` one step is Algorithm 1 with the EMA momentum convention — what
+    :func:`muoneq.functional.step_stacks` runs (:func:`~muoneq.functional.muoneq_update` for
+    one matrix):
 
     1. ``M ← βM + (1−β)G``; ``M̃ = βM + (1−β)G`` if ``nesterov`` else ``M``;
     2. ``M̂ = DiagPre(M̃, mode, ε)`` (eq. (4)): R ``D_r^{-1/2}M̃``,
@@ -75,108 +66,60 @@ class MuonEq(HybridOrthogonalOptimizer):
             (every rank computes every matrix). Row-sharded FSDP2 parameters always gather
             whole matrices. See :class:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer`.
         batching: ``"auto"`` (stacked on accelerators, per matrix on CPU), ``"per_matrix"``
-            or ``"stacked"`` (same-shape matrices in one batched Newton–Schulz call).
-        workspace_limit: bytes of scratch the stacked path may keep between steps
+            (one matrix per chunk, Newton–Schulz in torch.optim.Muon's operations: with
+            ``mode="none"`` and bf16, its weights bit for bit) or ``"stacked"`` (same-shape
+            matrices in one batched Newton–Schulz call).
+        workspace_limit: bytes of scratch the step may keep between steps
             (``optimizer.workspace_bytes``): chunks of same-shape matrices hold as many as fit
-            (one parameter at least); ``None`` (default): up to 2²⁶ elements per chunk.
+            (one parameter at least); ``"auto"`` (default): twice what torch.optim.Muon's step
+            takes for the largest matrix (:func:`muoneq.optim.plan.muon_step_bytes`);
+            ``None``: no bound (up to 2²⁶ elements per chunk).
+        ns_backend: who runs the Newton–Schulz products: ``"torch"`` (default), ``"triton"``
+            (this project's kernels, CUDA), ``"auto"`` (on a GPU, per shape, the faster that
+            agrees) or a callable ``backend(X, coefficients) -> Tensor``
+            (:data:`muoneq.newton_schulz.NS_BACKENDS`); ``ns_algorithm="gram"`` needs torch's.
         capturable: a step with no host synchronization, which a CUDA graph can capture
             (``torch.optim``'s flag; a per-group key): ``lr`` and ``weight_decay`` may be 0-d
             device tensors, read on the device (change them in place between steps, as LR
-            schedulers do), AdamW's step counters live on the device; matrix groups take the
-            stacked path (``batching="stacked"``, or ``"auto"`` on an accelerator), with every
-            matrix given a gradient.
+            schedulers do), AdamW's step counters live on the device (a change in which matrices
+            have a gradient plans the step again: do not capture that step).
         compile: ``torch.compile`` the step (opt-in; rounds slightly differently from eager):
-            on the stacked path each chunk's prologue (``M̃`` staged, DiagPre, the
-            normalization, the cast) and its update, ``fullgraph=True, dynamic=False`` (one
-            graph per shape and stage, compiled at the first step and again after a re-plan;
-            a new ``lr`` compiles nothing); on the per-matrix path Newton–Schulz.
+            each chunk's prologue (``M̃`` staged, DiagPre, the normalization, the cast) and its
+            update, ``fullgraph=True, dynamic=False`` (one graph per shape and stage, compiled
+            at the first step; a new ``lr`` compiles nothing).
         process_group: the group to split replicated matrices over (default: the world).
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "mode": Hyper(converted(canonical_mode), when="use_muon"),
         "eps": Hyper(nonnegative, when="use_muon"),
         "ns_algorithm": Hyper(converted(canonical_algorithm), when="use_muon"),
         "capturable": Hyper(boolean),
     }
-    added_keys = {"ns_algorithm": "standard", "capturable": False}
-    stateless_direction = True
+    added_keys = {**HybridOrthogonalOptimizer.added_keys, "ns_algorithm": "standard",
+                  "capturable": False}
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, mode: str = "R", eps: float = 1e-8,
-                 ns_algorithm: str = "standard", capturable: bool = False, compile: bool = False,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        given = arguments(locals())
+    def __init__(self, params: ParamsT, *, mode: str = "R", eps: float = 1e-8,
+                 ns_algorithm: str = "standard", capturable: bool = False,
+                 compile: bool = False, **shared: Unpack[Shared]):
         if not isinstance(compile, bool):
             raise ValueError(f"compile: expected True or False, got {compile!r}")
         self.compile = compile
-        super().__init__(params, **given)
+        super().__init__(params, dict(mode=mode, eps=eps, ns_algorithm=ns_algorithm,
+                                      capturable=capturable), **shared)
 
     def _options(self) -> dict:
         return {**super()._options(), "compile": self.compile}
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
-        if not group["capturable"]:
-            return
-        devices = {p.device.type for p in group["params"]}
-        why = (f"batching={self.batching!r} steps one matrix at a time on a CPU (pass "
-               "batching='stacked')" if group["use_muon"] and any(
-                   not self._stacked(torch.device(d)) for d in devices)
-               else "compile=True's graphs are not captured with it yet" if self.compile
-               else f"{type(self).__name__} replaces MuonEq's direction"
-               if type(self)._direction is not MuonEq._direction else None)
-        if why is not None:
-            raise ValueError(f"capturable: only MuonEq's stacked step is capturable, and {why}; "
-                             "use capturable=False")
-
-    def _reset_caches(self) -> None:
-        super()._reset_caches()
-        self._compiled = torch.compile(run_schedule) if self.compile else None
-
-    def _direction_flops(self, shape: tuple[int, int], group: dict) -> float:
-        """Newton–Schulz in the group's order plus DiagPre's ~4mn."""
-        return ns_flops(shape, group["ns_steps"], group["ns_algorithm"]) + 4.0 * math.prod(shape)
-
-    def _rule(self, group: dict, device: torch.device, stacked: bool) -> DirectionRule:
-        """Lines 11–12 as two stages the per-slot path runs itself, ``NS_K`` after
-        :func:`~muoneq.functional.equilibrate` (a subclass that replaces :meth:`_direction`
-        is called through it instead)."""
-        if type(self)._direction is not MuonEq._direction:
-            return super()._rule(group, device, stacked)
-        orthogonalize = self._orthogonalizer(group, device)
-        precondition = functools.partial(equilibrate, mode=group["mode"], eps=group["eps"],
-                                         dtype=orthogonalize.keywords["dtype"])
-        return DirectionRule(orthogonalize, precondition, stacked=stacked,
-                             stack_elements=executors.STACK_ELEMENTS,
-                             workspace=None if self._compiled else self._workspace)
-
-    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings | None:
-        """The stacked path of :mod:`muoneq.optim.engine` runs MuonEq's two stages itself (not a
-        subclass's own :meth:`_direction`)."""
-        if type(self)._direction is not MuonEq._direction:
-            return None
-        return self._stacked_settings(group, plan, group["mode"])
-
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        """Lines 11–12: ``O = NS_K(DiagPre(M̃))`` in ``ns_dtype``, for one matrix or a stack
-        (the stages of :meth:`_rule`, for subclasses that build on them).
-
-        DiagPre writes its result straight in ``ns_dtype``; a single matrix's temporaries live
-        in the optimizer's workspace (a stack allocates its own).
-        """
-        ws = self._workspace if m_tilde.ndim == 2 and self._compiled is None else None
-        orthogonalize = self._orthogonalizer(group, m_tilde.device)
-        balanced = equilibrate(m_tilde, mode=group["mode"], eps=group["eps"],
-                               dtype=orthogonalize.keywords["dtype"], workspace=ws)
-        return orthogonalize(balanced, workspace=ws)
+        if (group["use_muon"] and group["ns_algorithm"] == "gram"
+                and self.ns_backend not in ("torch", "auto")):
+            name = getattr(self.ns_backend, "__name__", repr(self.ns_backend))
+            raise ValueError(f"ns_algorithm: 'gram' runs on torch's products; ns_backend={name} "
+                             "runs the standard order only (use ns_algorithm='standard' or "
+                             "ns_backend='torch')")
+        if group["capturable"] and self.compile:
+            raise ValueError("capturable: compile=True's graphs are not captured with it yet; "
+                             "use capturable=False or compile=False")

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from muoneq.layout import MatrixLayout
-from muoneq.newton_schulz import Backend, Coefficients
-from muoneq.optim.base import Hyper, arguments
+from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
-from muoneq.optim.engine import Banked, StackSettings, by_segment
-from muoneq.optim.hybrid import DEFAULTS, HybridOrthogonalOptimizer
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
+from muoneq.optim.plan import Banked, Segment
 
 
 class NorMuon(HybridOrthogonalOptimizer):
@@ -48,25 +48,14 @@ class NorMuon(HybridOrthogonalOptimizer):
     """
 
     hyperparameters = {
+        **HybridOrthogonalOptimizer.hyperparameters,
         "beta2": Hyper(decay, when="use_muon"),
         "eps": Hyper(nonnegative, when="use_muon"),
     }
 
-    def __init__(self, params: ParamsT, *, lr: float | Tensor = DEFAULTS.lr,
-                 momentum: float = DEFAULTS.momentum, nesterov: bool = DEFAULTS.nesterov,
-                 weight_decay: float = DEFAULTS.weight_decay, ns_steps: int = DEFAULTS.ns_steps,
-                 ns_coefficients: Coefficients = DEFAULTS.ns_coefficients,
-                 ns_dtype: str | torch.dtype = DEFAULTS.ns_dtype,
-                 lr_adjust: str = DEFAULTS.lr_adjust,
-                 adamw_betas: tuple[float, float] = DEFAULTS.adamw_betas,
-                 adamw_eps: float = DEFAULTS.adamw_eps, beta2: float = 0.95,
-                 eps: float = 1e-10,
-                 distributed: bool | str = DEFAULTS.distributed,
-                 batching: str = DEFAULTS.batching,
-                 workspace_limit: int | None = DEFAULTS.workspace_limit,
-                 ns_backend: Backend = DEFAULTS.ns_backend,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(params, **arguments(locals()))
+    def __init__(self, params: ParamsT, *, beta2: float = 0.95, eps: float = 1e-10,
+                 **shared: Unpack[Shared]):
+        super().__init__(params, dict(beta2=beta2, eps=eps), **shared)
 
     #: the second moments are banked like the momentum: the stacked path reads them stacked
     banked_state = {"second_moment": Banked(lambda layout: (layout.matrix[0], 1))}
@@ -76,15 +65,11 @@ class NorMuon(HybridOrthogonalOptimizer):
         if "second_moment" not in state:  # a DTensor's (the banks hold the others')
             state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
 
-    def _direction(self, p: Tensor, m_tilde: Tensor, state: dict, group: dict) -> Tensor:
-        O = self._orthogonalizer(group, m_tilde.device)(m_tilde)
-        return self._normalized(O, state["second_moment"], group, p.dtype)
+    finishes_in_ns_dtype = False
 
-    def _stack_settings(self, group: dict, plan) -> StackSettings | None:
-        def finish(O: Tensor, segments) -> Tensor:
-            return by_segment(O, segments, lambda rows, s: self._normalized(
-                rows, s.state["second_moment"], group, s.momentum.dtype))
-        return self._stacked_settings(group, plan, "none", finish)
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        return self._normalized(O, segment.state["second_moment"], group,
+                                segment.momentum.dtype)
 
     @staticmethod
     def _normalized(O: Tensor, v: Tensor, group: dict, dtype: torch.dtype) -> Tensor:

@@ -11,9 +11,9 @@ load from other processes hits all of them alike. Reported per contender:
   ``of_matmul``: that rate over a bf16 matmul rate measured in the same loop;
 * ``peak_extra_mb``: memory allocated during one step beyond what existed before it (CUDA:
   the allocator's peak; CPU: the profiler's allocation trace), plus the scratch workspace
-  our optimizers keep between steps (``workspace_mb``: ``optimizer.workspace_bytes``); one row
-  runs the stacked path with ``workspace_limit`` at twice torch.optim.Muon's peak on the set,
-  measured first in the same process (``workspace_limit_mb``);
+  our optimizers keep between steps (``workspace_mb``: ``optimizer.workspace_bytes``, within
+  twice torch.optim.Muon's by default); per set, the stacked path's default workspace over
+  torch.optim.Muon's peak extra memory measured in the same process (``workspace``);
 * ``state_bytes``: persistent optimizer state (Muon keeps one buffer per matrix);
 * ``err_gauss``/``err_decay``: relative Frobenius distance between the contender's direction
   and a float64 NS5 of the same (equilibrated) input, worst over the set's shapes, for a
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,13 +49,11 @@ from torch import Tensor, nn
 from muoneq.functional import diag_pre, lr_scale, matrix_shape
 from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, resolve_dtype
 from muoneq.optim import MuonEq
-from muoneq.optim.executors import balance
+from muoneq.optim.distributed import balance
 from muoneq.suite.machine import device_name
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
-#: The memory target: peak extra memory at most this many times torch.optim.Muon's.
-WORKSPACE_OVER_TORCH = 2.0
 
 
 # ----------------------------------------------------------------------------- matrix sets
@@ -147,9 +145,6 @@ class Contender:
     mode: str  # the DiagPre mode its direction applies (accuracy reference)
     ns_dtype: str  # the dtype its Newton–Schulz runs in on the benchmark's device
     flat: bool = False  # needs 2-D parameters (torch.optim.Muon rejects conv filters)
-    #: built with ``workspace_limit`` = this many times torch.optim.Muon's peak extra memory on
-    #: the set, measured first in the same process
-    workspace_over_torch: float | None = None
 
 
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
@@ -181,10 +176,6 @@ def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
     ]
     other = "per_matrix" if device.type != "cpu" else "stacked"
     out.append(muoneq(f"MuonEq-R ({other})", "R", batching=other))
-    # the stacked path within the memory target: its workspace at most twice torch's peak
-    bounded = muoneq(f"MuonEq-R (stacked, workspace ≤ {WORKSPACE_OVER_TORCH:g}× torch's peak)",
-                     "R", batching="stacked")
-    out.append(replace(bounded, workspace_over_torch=WORKSPACE_OVER_TORCH))
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         # this project's Triton kernels, and the per-shape choice of the faster backend
         out += [muoneq(f"MuonEq-R ({backend})", "R", ns_backend=backend)
@@ -342,21 +333,13 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     values = [torch.randn(s, generator=gen).mul_(0.02).to(device) for s in shapes]
     opts = {}
-    torch_peak = None
     for c in entries:
         params = []
         for v, g in zip(values, grads, strict=True):
             p = nn.Parameter(v.reshape(v.size(0), -1).clone() if c.flat else v.clone())
             p.grad = g.view_as(p)
             params.append(p)
-        hparams = dict(HPARAMS)
-        if c.workspace_over_torch is not None:
-            if torch_peak is None:  # a step after the first (which creates the momentum)
-                reference = opts["torch.optim.Muon"]
-                reference.step()
-                torch_peak = peak_extra_bytes(reference.step, device)
-            hparams["workspace_limit"] = int(c.workspace_over_torch * torch_peak)
-        opts[c.name] = c.build(params, hparams)
+        opts[c.name] = c.build(params, dict(HPARAMS))
     rate = matmul_rate(shapes, device)
     for opt in opts.values():  # warm up: first-touch allocations, BLAS packing, compilation
         opt.step()
@@ -391,9 +374,9 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             "peak_extra_mb": (peak_extra_bytes(opts[c.name].step, device)
                               + getattr(opts[c.name], "workspace_bytes", 0)) / 2**20,
             # of which the scratch kept between steps (optimizer.workspace_bytes), and its bound
+            # (bytes, "auto" or None)
             "workspace_mb": getattr(opts[c.name], "workspace_bytes", 0) / 2**20,
-            "workspace_limit_mb": (None if getattr(opts[c.name], "workspace_limit", None) is None
-                                   else opts[c.name].workspace_limit / 2**20),
+            "workspace_limit": getattr(opts[c.name], "workspace_limit", None),
             "state_bytes": state_bytes(opts[c.name]),
             # the Newton–Schulz backend each stacked shape ran on (ns_backend="auto" chooses)
             "ns_backends": {f"{m}x{n}": name for (m, n), name in
@@ -411,8 +394,15 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             "max_share_over_ideal": max(loads) / (sum(costs) / world),
             "within_bound": max(loads) <= sum(costs) / world + max(costs),
         }
+    stacked = "MuonEq-R" if device.type != "cpu" else "MuonEq-R (stacked)"  # the stacked row
+    torch_peak = peak_extra_bytes(opts["torch.optim.Muon"].step, device)
+    workspace = {"contender": stacked, "default_mb": opts[stacked].workspace_bytes / 2**20,
+                 "chunks": sum(len(s.chunks) for s in opts[stacked]._planned().values()),
+                 "torch_peak_extra_mb": torch_peak / 2**20,
+                 "over_torch": opts[stacked].workspace_bytes / max(torch_peak, 1)}
     return {
         "matrices": len(shapes),
+        "workspace": workspace,
         "parameters": sum(math.prod(s) for s in shapes),
         "ns_gflop": flops / 1e9,
         "matmul_gflops": matmul_gflops,
@@ -473,6 +463,13 @@ def table(result: dict) -> str:
         split = ", ".join(f"W={w}: {d['max_share_over_ideal']:.3f}×"
                           for w, d in data["ddp_split"].items())
         lines.append(f"\nDDP split, busiest rank's NS FLOPs over total/W: {split}")
+        w = data.get("workspace")
+        if w is None:
+            continue
+        lines.append(f"\nDefault workspace of the stacked step ({w['contender']}): "
+                     f"{sig3(w['default_mb'])} MiB in {w['chunks']} chunks, "
+                     f"{w['over_torch']:.2f}× torch.optim.Muon's peak extra memory "
+                     f"({sig3(w['torch_peak_extra_mb'])} MiB)")
     return "\n".join(lines)
 
 

@@ -1,11 +1,12 @@
 """The ``optimizer`` section of a run config: a typed schema per optimizer name, and the model's
 single optimizer built from it (``muoneq.build_optimizer`` + ``muoneq.param_groups``).
 
-The schema of a name is derived from its constructor's signature in
-:data:`muoneq.registry.OPTIMIZERS`, so every registered optimizer, including ones added later,
-is configurable with exactly the keys it accepts: ``optimizer.lr``, ``optimizer.momentum``,
-``optimizer.mode``, ``optimizer.ns_steps``, ... An unknown key or a wrong type is an error that
-names the key. Orthogonalized (hybrid) optimizers also take the routing keys:
+The schema of a name is derived from its constructor's signature
+(:func:`muoneq.optim.signature`) in :data:`muoneq.registry.OPTIMIZERS`, so every registered
+optimizer, including ones added later, is configurable with exactly the keys it accepts:
+``optimizer.lr``, ``optimizer.momentum``, ``optimizer.mode``, ``optimizer.ns_steps``, ... An
+unknown key or a wrong type is an error that names the key. Orthogonalized (hybrid) optimizers
+also take the routing keys:
 
 * ``routing``: ``default`` — :func:`muoneq.param_groups`'s rule (embeddings, output head, first
   conv and 0-D/1-D tensors to AdamW; the paper's LLM recipe and Keller Jordan's advice);
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from muoneq.newton_schulz import canonical_backend, resolve_dtype
+from muoneq.optim import signature
 from muoneq.registry import OPTIMIZERS, build_optimizer
 from muoneq.routing import describe_routing, param_groups
 
@@ -94,7 +96,7 @@ def optimizer_schema(name: str) -> type:
         )
     spec = OPTIMIZERS[name]
     fields: list[tuple] = [("name", str, dataclasses.field(default=name))]
-    parameters = list(inspect.signature(spec.factory).parameters.values())[1:]  # skip params
+    parameters = list(signature(spec.factory).parameters.values())[1:]  # skip params
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue

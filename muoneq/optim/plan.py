@@ -1,0 +1,550 @@
+"""The plan of a matrix group: momentum banks, then chunks of same-shape matrices with every
+buffer they need, made once and reused by every step.
+
+**Banks.** At construction (and again after ``add_param_group``, ``load_state_dict``, a copy, a
+reset of the state, or a parameter given new storage) a matrix group's parameters are grouped
+into :class:`Bank`\\ s by stored layout, dtype and device; a bank's momentum is one
+``(k, *stored)`` tensor whose rows are the parameters' ``momentum_buffer`` (views: the state
+dict keeps its keys and values); a method's own per-matrix state is banked alike
+(:attr:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer.banked_state`). A row-sharded
+``DTensor`` parameter (FSDP2) banks its local shard, its state a ``DTensor`` over that row.
+
+**Chunks.** :func:`plan_stacks` buckets the banks' blocks by matrix shape into :class:`Chunk`\\ s
+of at most ``stack_elements`` elements (one matrix each with ``batching="per_matrix"``), fewer
+where the group's ``workspace_limit`` asks (:func:`plan_workspace`), and :func:`carve` gives
+every chunk its buffers — views of one workspace the chunks share, as they run one after
+another — and the lists its update reads. A chunk's segments are the runs of its rows that come
+from one bank: :func:`muoneq.functional.step_stacks` stages ``M̃`` into the stack from them
+(formed in the stack itself for a plain float32 bank), and a method's ``prepare`` and
+``finish`` see one segment's rows and banked state at a time.
+
+A stored layout other than ``(out, in·…)`` (transposed, expert banks, fused blocks) is staged
+into the stack with a copy of ``M̃`` in matrix orientation, and its directions are written back
+in the stored layout before the update, so that every block gets, bit for bit, the update the
+same weights get as a separate ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from muoneq.functional import (
+    DiagPreBuffers,
+    diag_pre_buffers,
+    diag_pre_requests,
+    lr_scale,
+)
+from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import (
+    AGREEMENT,
+    Iteration,
+    NSSettings,
+    StackIteration,
+    TritonIteration,
+    Workspace,
+    fastest_iteration,
+    iteration_for,
+)
+
+#: Largest stack (elements) of same-shape matrices orthogonalized in one batched call.
+STACK_ELEMENTS = 1 << 26
+
+
+def is_dtensor(t) -> bool:
+    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (slow to
+    import): no DTensor can exist before that module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local shard (the shard itself:
+    ``to_local()`` would dispatch a view on every call), any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+# ----------------------------------------------------------------------------- banks
+@dataclass(frozen=True)
+class Banked:
+    """A method's own state kept per matrix in banks like the momentum: its shape for a
+    :class:`~muoneq.layout.MatrixLayout`, and its dtype for the parameters' (``None``: theirs)."""
+
+    shape: Callable[[MatrixLayout], tuple[int, ...]]
+    dtype: Callable[[torch.dtype], torch.dtype] | None = None
+
+
+#: State banked per matrix, by key (the momentum: the stored parameter's shape and dtype).
+StateShapes = dict[str, Banked]
+
+
+@dataclass(eq=False)
+class Bank:
+    """Parameters of one group that share a stored layout, dtype and device, with their
+    momentum as one ``(k, *stored)`` tensor (a sharded parameter's: ``(k, local rows, …)``):
+    row ``j`` is parameter ``j``'s ``momentum_buffer``; ``state`` likewise holds a method's own
+    per-matrix state. ``gather`` (``(k, *stored)``, the parameters' dtype) holds ``M̃`` of a bank
+    that is not formed in its stacks, and its directions in the stored layout."""
+
+    params: list[Tensor]
+    layout: MatrixLayout
+    momentum: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
+    gather: Tensor | None = None
+    #: ``M̃`` arrives whole from the parameters' shards (FSDP2; :mod:`muoneq.optim.distributed`):
+    #: the directions stay in ``gather``, for the exchange back
+    assembled: bool = False
+    #: DiagPre's dtype: float32 at least (bf16 sums of squares lose too much)
+    accumulate: torch.dtype = field(init=False)
+    #: plain layout in the accumulation dtype: ``M̃`` is formed in the stack itself
+    in_place: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accumulate = torch.promote_types(self.momentum.dtype, torch.float32)
+        self.in_place = (self.layout.plain and self.momentum.dtype == self.accumulate
+                         and not self.assembled)
+
+
+def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state: dict,
+               shapes: StateShapes | None = None) -> list[Bank]:
+    """Bank the momentum (and the state of ``shapes``) of a group's parameters by (layout,
+    dtype, device, local shape): state already there is copied into its bank, missing state
+    starts at zero, and the state then holds the bank's views (a ``DTensor`` parameter's: a
+    ``DTensor`` over its row of the bank, sharded as the parameter)."""
+    shapes = {"momentum_buffer": Banked(lambda layout: layout.stored), **(shapes or {})}
+    keyed: dict[tuple, list[int]] = {}
+    for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
+        keyed.setdefault((layout, p.dtype, p.device, tuple(local(p).shape)), []).append(i)
+    banks = []
+    for (layout, dtype, device, local_shape), members in keyed.items():
+        tensors = {}
+        for key, banked in shapes.items():
+            shape = local_shape if key == "momentum_buffer" else banked.shape(layout)
+            tensors[key] = torch.zeros((len(members), *shape), device=device,
+                                       dtype=dtype if banked.dtype is None else banked.dtype(dtype))
+            for i, view in zip(members, tensors[key].unbind(0), strict=True):
+                p, old = params[i], state[params[i]].get(key)
+                if old is not None:
+                    view.copy_(local(old))
+                state[p][key] = _sharded_like(p, view) if key == "momentum_buffer" else view
+        momentum = tensors.pop("momentum_buffer")
+        banks.append(Bank([params[i] for i in members], layout, momentum, tensors))
+    return banks
+
+
+def _sharded_like(p: Tensor, view: Tensor) -> Tensor:
+    """``view`` (this rank's rows) as the state of ``p``: a ``DTensor`` laid out like ``p``
+    when ``p`` is one (distributed checkpoints keep the state sharded), else ``view``."""
+    if not is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+@dataclass(eq=False)
+class GroupPlan:
+    """One matrix group as planned: its parameters, their state and momentum as they were when
+    the plan was made (for :meth:`matches`), their layouts and the banks."""
+
+    params: list[Tensor]
+    layouts: list[MatrixLayout]
+    states: list[dict]
+    pointers: list[int]
+    banks: list[Bank]
+    #: the banked state of each parameter (the keys :func:`bank_state` banked), as planned
+    banked: list[dict[str, Tensor]]
+    #: this rank's momentum of each parameter (a row of its bank)
+    momenta: list[Tensor]
+    #: line 13's ``1 − η·λ`` of a step with tensor hyper-parameters (``capturable``)
+    decay: Tensor | None = None
+
+    @classmethod
+    def of(cls, params: Sequence[Tensor], layouts: Sequence[MatrixLayout], banks: list[Bank],
+           state: dict) -> GroupPlan:
+        keys = ["momentum_buffer", *(banks[0].state if banks else ())]
+        rows = {id(p): row for b in banks for p, row in zip(b.params, b.momentum.unbind(0),
+                                                            strict=True)}
+        device = banks[0].momentum.device if banks else None
+        return cls(list(params), list(layouts), [state[p] for p in params],
+                   [local(p).data_ptr() for p in params], banks,
+                   [{key: state[p].get(key) for key in keys} for p in params],
+                   [rows[id(p)] for p in params],
+                   torch.empty((), dtype=torch.float32, device=device) if banks else None)
+
+    @property
+    def sharded(self) -> bool:
+        """The parameters are row-sharded ``DTensor``\\ s (FSDP2)."""
+        return any(is_dtensor(p) for p in self.params)
+
+    def matches(self, params: Sequence[Tensor], state: dict) -> bool:
+        """The group still holds these parameters, in place (same storage), with the state and
+        momentum the plan made. Python only: no tensor operation, no device sync."""
+        if len(params) != len(self.params):
+            return False
+        for p, planned, st, banked, pointer in zip(params, self.params, self.states,
+                                                    self.banked, self.pointers, strict=True):
+            if (p is not planned or state.get(p) is not st
+                    or any(st.get(key) is not t for key, t in banked.items())
+                    or local(p).data_ptr() != pointer):
+                return False
+        return True
+
+
+# ----------------------------------------------------------------------------- chunks
+@dataclass(frozen=True)
+class StackSettings:
+    """What a group's chunks and their buffers depend on (a change plans them again)."""
+
+    mode: str
+    nesterov: bool
+    ns: NSSettings
+    lr_adjust: str
+    #: one matrix per chunk, in torch.optim.Muon's operations (``batching="per_matrix"``)
+    per_matrix: bool = False
+    #: the dtype directions travel in between ranks (``None``: the NS dtype)
+    wire: torch.dtype | None = None
+
+
+@dataclass(eq=False)
+class Segment:
+    """Parameters ``lo:hi`` of a bank (split ``split`` of their blocks) inside a chunk: what a
+    method's ``prepare`` and ``finish`` see besides the rows — the parameters, their momentum and
+    banked ``state`` (views, by key), and the bank's layout.
+
+    ``stack``: the segment's rows of the chunk's stack, shaped like the bank's oriented blocks;
+    ``source``: what is copied there before the prologue (the bank's ``M̃`` or momentum), or
+    ``None`` when ``M̃`` is formed in the stack itself (``gather``: those rows shaped
+    ``(k, *stored)``) or read where it is."""
+
+    bank: Bank
+    split: int
+    lo: int
+    hi: int
+    params: list[Tensor]
+    momentum: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
+    #: the segment's matrices in the chunk
+    rows: slice | None = None
+    stack: Tensor | None = None
+    source: Tensor | None = None
+    gather: Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        """Matrices of the segment (parameters × experts)."""
+        return (self.hi - self.lo) * self.bank.layout.count
+
+    @property
+    def layout(self) -> MatrixLayout:
+        return self.bank.layout
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Same-shape matrices stepped together: their segments, buffers and update lists.
+
+    Buffers (views of the shared workspace, reserved in ``requests``): ``stack`` (``M̃``, then
+    scratch; the accumulation dtype), ``ns_input`` (``X₀`` in the NS dtype; ``stack`` itself when
+    the dtypes agree), ``ns_buffers`` (the iteration's), ``diag`` (DiagPre's), ``step``
+    (``−a·η`` as a tensor). ``source`` is where the prologue reads ``M̃`` (the stack, or a lone
+    plain bank's momentum without Nesterov).
+
+    The update reads the directions from ``final`` (the buffer of the last iterate, when the
+    iteration has one) where ``final_readable`` (the parameters' dtype), else from ``stack``:
+    ``targets`` and ``sources[i]`` (``i`` = 0: views of ``final``, 1: of ``stack``) are the lists
+    of the foreach update; ``writebacks`` the ``(stored-layout block, (from final, from stack))``
+    copies of staged banks' directions, and ``completes`` the ``(params, directions)`` of the
+    banks whose directions are all in their stored layout after this chunk (their blocks have
+    the chunk's shape, and so its ``a``).
+    """
+
+    shape: tuple[int, int]
+    scale: float
+    segments: list[Segment]
+    iteration: Iteration
+    requests: list[tuple] = field(default_factory=list)
+    source: Tensor | None = None
+    stack: Tensor | None = None
+    ns_input: Tensor | None = None
+    ns_buffers: dict[str, Tensor] = field(default_factory=dict)
+    diag: DiagPreBuffers | None = None
+    final: Tensor | None = None
+    final_readable: bool = False
+    targets: list[Tensor] = field(default_factory=list)
+    sources: tuple[list[Tensor], list[Tensor]] = ([], [])
+    writebacks: list[tuple[Tensor, tuple[Tensor | None, Tensor]]] = field(default_factory=list)
+    completes: list[tuple[list[Tensor], list[Tensor]]] = field(default_factory=list)
+    step: Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.segments)
+
+
+@dataclass(eq=False)
+class GroupStep:
+    """A matrix group's step as planned: what :meth:`HybridOrthogonalOptimizer.step
+    <muoneq.optim.hybrid.HybridOrthogonalOptimizer.step>` hands
+    :func:`muoneq.functional.step_stacks` (or its distributed form)."""
+
+    settings: StackSettings
+    #: the parameters with a gradient and this rank's momentum of each, in the plan's order
+    params: list[Tensor]
+    momenta: list[Tensor]
+    #: the chunks of the group's matrices (FSDP2: of the whole matrices this rank computes)
+    chunks: list[Chunk]
+    #: DDP: the parts of ``chunks`` this rank computes for every rank
+    exchanged: list[Chunk]
+    #: how the matrices are shared out between processes (:mod:`muoneq.optim.distributed`)
+    exchange: object | None
+    #: line 13's ``1 − η·λ`` of a step with tensor hyper-parameters (``capturable``)
+    decay: Tensor | None
+
+
+def compiled_copy(fn: Callable, shape: tuple[int, int]) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` on a copy of ``fn`` with a code
+    object of its own: dynamo keeps at most ``recompile_limit`` (8) graphs per code object and,
+    with ``fullgraph``, fails past them; each chunk shape (ResNet-18 has 10) compiles its own
+    copy, named for its shape in traces."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{shape[0]}x{shape[1]}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(copy, fullgraph=True, dynamic=False)
+
+
+def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, *,
+                present: Sequence[bool] | None = None, chunk_bytes: int | None = None,
+                banks: list[Bank] | None = None) -> list[Chunk]:
+    """Bucket the blocks of a group's banks (``banks``, default the plan's) by matrix shape
+    (and dtype, device) into chunks of at most :data:`STACK_ELEMENTS` elements (one matrix with
+    ``per_matrix``) whose buffers take at most ``chunk_bytes`` (at least one parameter each),
+    with the parameters that have a gradient (``present``, in the plan's order; default all),
+    and reserve their buffers in ``workspace``; :func:`carve` gives them out once every group
+    is planned."""
+    with_grad = {id(p) for p, ok in zip(plan.params, present or [True] * len(plan.params),
+                                        strict=True) if ok}
+    buckets: dict[tuple, list[tuple[Bank, int]]] = {}
+    for bank in plan.banks if banks is None else banks:
+        for split, rows in enumerate(bank.layout.rows):
+            key = ((rows, bank.layout.matrix[1]), bank.momentum.dtype, bank.momentum.device)
+            buckets.setdefault(key, []).append((bank, split))
+    chunks = []
+    for (shape, _, _), members in buckets.items():
+        per_stack = 1 if settings.per_matrix else max(1, STACK_ELEMENTS // math.prod(shape))
+        if chunk_bytes is not None:
+            one = _requests(1, shape, members[0][0].accumulate, settings)
+            matrix = sum(math.prod(size) * dtype.itemsize for name, size, dtype in one
+                         if name != "step")
+            per_stack = min(per_stack, max(1, chunk_bytes // matrix))
+        current: list[Segment] = []
+        filled = 0
+        for bank, split in members:
+            count = bank.layout.count
+            for lo, hi in runs_of([id(p) in with_grad for p in bank.params]):
+                while lo < hi:
+                    if current and filled + count > per_stack:
+                        chunks.append(chunk_of(current, settings, workspace))
+                        current, filled = [], 0
+                    end = min(hi, lo + max(1, (per_stack - filled) // count))
+                    current.append(Segment(bank, split, lo, end, bank.params[lo:end],
+                                           bank.momentum[lo:end],
+                                           {key: t[lo:end] for key, t in bank.state.items()}))
+                    filled += (end - lo) * count
+                    lo = end
+        if current:
+            chunks.append(chunk_of(current, settings, workspace))
+    return chunks
+
+
+def runs_of(flags: list[bool]) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each run of true flags."""
+    runs, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
+    """A chunk of ``segments`` (same-shape blocks), its buffers reserved in ``workspace``."""
+    bank = segments[0].bank
+    shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
+    chunk = Chunk(shape, lr_scale(shape, settings.lr_adjust), segments,
+                  iteration_for(settings.ns, shape, per_matrix=settings.per_matrix))
+    requests = _requests(sum(s.count for s in segments), shape, bank.accumulate, settings,
+                         chunk.iteration)
+    chunk.requests = [(*r, bank.momentum.device) for r in requests]
+    for request in chunk.requests:
+        workspace.reserve(*request)
+    return chunk
+
+
+def _requests(count: int, shape: tuple[int, int], accumulate: torch.dtype,
+              settings: StackSettings, iteration: Iteration | None = None
+              ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The buffers of a chunk of ``count`` matrices of ``shape`` (:class:`Chunk`): name, shape
+    and dtype."""
+    ns = settings.ns.dtype
+    iteration = iteration or iteration_for(settings.ns, shape, per_matrix=settings.per_matrix)
+    requests = [("stack", (count, *shape), accumulate)]
+    if ns != accumulate:
+        requests.append(("ns_input", (count, *shape), ns))
+    requests += iteration.requests(count, shape, ns)
+    requests += diag_pre_requests(count, shape, settings.mode, accumulate, ns)
+    requests.append(("step", (1,), accumulate))
+    return requests
+
+
+def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) -> None:
+    """Give each chunk its buffers (views of ``workspace``, all reserved before: one buffer per
+    name, shared by the chunks, which run one after another), its segments' rows, its update
+    lists and, for ``ns_backend="auto"`` on a GPU, its iteration."""
+    steps = settings.ns.schedule.steps
+    for chunk in chunks:
+        taken = {name: workspace.take(name, *rest) for name, *rest in chunk.requests}
+        chunk.stack = taken["stack"]
+        chunk.ns_input = taken.get("ns_input", chunk.stack)
+        chunk.ns_buffers = {name: taken[name] for name, *_ in
+                            chunk.iteration.requests(chunk.count, chunk.shape, settings.ns.dtype)}
+        chunk.diag = diag_pre_buffers(taken, settings.mode, chunk.stack)
+        chunk.step = taken["step"].view(())
+        if settings.ns.backend == "auto":
+            chunk.iteration = _fastest(chunk, settings)
+        if isinstance(chunk.iteration, StackIteration):  # the last iterate's buffer is known
+            chunk.final = (chunk.ns_input, chunk.ns_buffers["ns_other"])[steps % 2]
+            chunk.final_readable = chunk.final.dtype == chunk.segments[0].momentum.dtype
+        _carve_segments(chunk, settings)
+    _complete_banks(chunks)
+
+
+def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
+    """``ns_backend="auto"``: on a GPU with Triton, the faster of torch and Triton on this
+    chunk's buffers (one timing, at planning) among those that agree; torch elsewhere."""
+    import importlib.util
+
+    X = chunk.ns_input
+    if (X.device.type != "cuda" or X.dtype not in AGREEMENT or X.dtype == torch.float64
+            or importlib.util.find_spec("triton") is None or settings.per_matrix):
+        return chunk.iteration
+    candidates = {"torch": StackIteration(), "triton": TritonIteration()}
+    name = fastest_iteration(candidates, X, settings.ns.schedule.coefficients, chunk.ns_buffers)
+    return candidates[name]
+
+
+def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
+    """Where each segment's ``M̃`` comes from and where its directions go (class docstrings)."""
+    buffers = (chunk.final if chunk.final_readable else None, chunk.stack)
+    chunk.targets, chunk.sources = [], ([], [])
+    offset = 0
+    for segment in chunk.segments:
+        bank, layout = segment.bank, segment.bank.layout
+        rows = segment.rows = slice(offset, offset + segment.count)
+        oriented = layout.stacked_blocks(segment.momentum)[segment.split]
+        if bank.gather is None and not bank.in_place:
+            bank.gather = torch.empty((len(bank.params), *layout.stored),
+                                      dtype=bank.momentum.dtype, device=bank.momentum.device)
+        segment.stack = chunk.stack[rows].view(oriented.shape)
+        if bank.in_place:
+            segment.gather = chunk.stack[rows].view(segment.momentum.shape)
+            segment.source = None if settings.nesterov else oriented
+        else:
+            staged = layout.stacked_blocks(bank.gather[segment.lo : segment.hi])[segment.split]
+            segment.source = staged if settings.nesterov or bank.assembled else oriented
+        _carve_update(chunk, segment, offset, buffers)
+        offset += segment.count
+    # a lone plain segment without Nesterov is read where it is: M̃ is the momentum itself
+    only = chunk.segments[0]
+    if len(chunk.segments) == 1 and only.bank.in_place and not settings.nesterov:
+        chunk.source, only.source = only.momentum.view(chunk.stack.shape), None
+    else:
+        chunk.source = chunk.stack
+
+
+def _carve_update(chunk: Chunk, segment: Segment, offset: int,
+                  buffers: tuple[Tensor | None, Tensor]) -> None:
+    """The update lists of a segment's directions (``buffers``: the last iterate's, readable in
+    the parameters' dtype, and the stack): its parameters for a plain layout, the copies back
+    to a staged bank's stored layout for the others."""
+    bank, layout, rows = segment.bank, segment.bank.layout, segment.rows
+    if layout.plain and not bank.assembled:
+        chunk.targets += segment.params
+        for out, buffer in zip(chunk.sources, buffers, strict=True):
+            if buffer is not None:
+                out += [d.view(p.shape) for d, p in zip(buffer[rows], segment.params,
+                                                        strict=True)]
+    elif layout.uniform:  # back to the stored layout; one update per bank, at its end
+        back = layout.stacked_blocks(bank.gather[segment.lo : segment.hi])[segment.split]
+        chunk.writebacks.append((back, tuple(
+            None if b is None else b[rows].view(back.shape) for b in buffers)))
+    else:  # blocks of several shapes: each where it lies in its parameter (or whole bank)
+        for j in range(segment.hi - segment.lo):
+            whole = bank.gather[segment.lo + j] if bank.assembled else segment.params[j]
+            pieces = list(layout.pieces(whole))[segment.split :: len(layout.rows)]
+            for e, (_, piece) in enumerate(pieces):
+                index = offset + j * layout.count + e
+                views = tuple(None if b is None else b[index].view(piece.shape)
+                              for b in buffers)
+                if bank.assembled:
+                    chunk.writebacks.append((piece, views))
+                    continue
+                chunk.targets.append(piece)
+                for out, view in zip(chunk.sources, views, strict=True):
+                    if view is not None:
+                        out.append(view)
+
+
+def _complete_banks(chunks: list[Chunk]) -> None:
+    """Give the chunk that writes the last block of a staged uniform bank back that bank's
+    update: its parameters, their directions in the stored layout, and ``a`` (an assembled
+    bank's directions stay in ``gather``: :mod:`muoneq.optim.distributed` sends them)."""
+    last: dict[int, tuple[Bank, Chunk]] = {}
+    for chunk in chunks:
+        for segment in chunk.segments:
+            layout = segment.bank.layout
+            if not layout.plain and layout.uniform and not segment.bank.assembled:
+                last[id(segment.bank)] = (segment.bank, chunk)
+    for bank, chunk in last.values():  # its blocks have the chunk's shape, and so its ``a``
+        chunk.completes.append((bank.params, list(bank.gather.unbind(0))))
+
+
+def muon_step_bytes(shape: tuple[int, int], dtype: torch.dtype, nesterov: bool) -> int:
+    """The memory ``torch.optim.Muon``'s step takes beyond its state for one m×n matrix of
+    ``dtype`` (it steps one matrix at a time, so its peak is its largest matrix's): the Nesterov
+    input ``M̃`` in the parameters' dtype, then in bf16 the iterate and the next one, the Gram
+    matrix and its polynomial (``s × s``, ``s = min(m, n)``)."""
+    m, n = shape
+    small = min(m, n)
+    return (dtype.itemsize * m * n if nesterov else 0) + 2 * (2 * m * n + 2 * small * small)
+
+
+def plan_workspace(plans: dict[int, tuple[GroupPlan, StackSettings, Sequence[bool], list[Bank]]],
+                   limit: int | None) -> tuple[Workspace, dict[int, list[Chunk]]]:
+    """The chunks of every planned group (index → its plan, settings, which parameters have a
+    gradient, and the banks this process computes), their buffers reserved in one workspace
+    that the chunks share (each buffer as
+    large as its largest chunk's) and that holds at most ``limit`` bytes where chunks of one
+    parameter allow: the bytes a chunk may take are lowered until the workspace fits."""
+    chunk_bytes = limit
+    while True:
+        workspace = Workspace()
+        stacks = {index: plan_stacks(plan, settings, workspace, present=present,
+                                     chunk_bytes=chunk_bytes, banks=banks)
+                  for index, (plan, settings, present, banks) in plans.items()}
+        planned = workspace.reserved_bytes
+        several = any(c.count > c.segments[0].bank.layout.count or len(c.segments) > 1
+                      for chunks in stacks.values() for c in chunks)
+        if limit is None or planned <= limit or not several:
+            return workspace, stacks
+        chunk_bytes = min(chunk_bytes * limit // planned, chunk_bytes * 15 // 16)
