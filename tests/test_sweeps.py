@@ -90,6 +90,10 @@ def test_points_are_the_union_of_blocks_with_seeds_apart(tmp_path):
      ["exactly one of 'grid'"]),
     ({"report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}]}},
      ["report.heatmaps.y='optimizer.momentum' is not a search axis"]),
+    ({"grid": [], "search": {"params": {"optimizer": {"choices": ["adamw", "muon"]}}}},
+     ["search.params.optimizer (type float)", "add search.params.optimizer.type=categorical"]),
+    ({"grid": [], "search": {"params": {"optimizer.ns_steps": {
+        "type": "int", "low": 2, "high": 5.5}}}}, ["(type int) needs integer low and high"]),
     ({"seeds": [0, 0]}, ["without repeats"]),
     ({"seeds": [0, -1]}, ["seeds[1]=-1", "[0, 4294967295]"]),
     ({"seeds": [2**32]}, ["seeds[0]=4294967296", "numpy's range"]),
@@ -338,6 +342,28 @@ def test_two_drivers_share_a_study_on_postgresql(tmp_path, postgres_url):
     study = optuna.load_study(study_name="tiny-pg", storage=postgres_url)
     _check_shared(study, tmp_path / "runs" / "tiny-pg")
     assert not (tmp_path / "runs" / "tiny-pg" / "optuna.journal").exists()
+
+
+def test_a_tpe_search_takes_an_int_axis(tmp_path, capsys):
+    """``type: int`` bounds stay integers (the schema reads them as floats): the search's
+    checks compose ``optimizer.ns_steps=2``, not ``2.0``, which the optimizer's Integer field
+    refuses."""
+    from muoneq.suite.sweeps.cli import main
+    from muoneq.suite.sweeps.validate import search_points
+
+    search = {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1e-1,
+                                          "log": True},
+                         "optimizer.ns_steps": {"type": "int", "low": 2, "high": 6}},
+              "n_trials": 2}
+    path = write_sweep(tmp_path / "k.yaml", grid=[], search=search, seeds=[0],
+                       experiment="cifar10_resnet18", launch={}, overrides=[],
+                       objective={"metric": "test/acc", "direction": "maximize"})
+    spec = load_sweep(path)
+    k = spec.search.params["optimizer.ns_steps"]
+    assert (k.low, k.high) == (2, 6) and type(k.low) is type(k.high) is int
+    assert [p.as_dict()["optimizer.ns_steps"] for p in search_points(spec)] == [2, 2, 6]
+    assert main([str(path), "--dry-run", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "checked: 3 training configs compose" in capsys.readouterr().out
 
 
 def test_dry_run_lists_runs_and_the_first_command(capsys):

@@ -519,10 +519,23 @@ def _check_tpe_axis(p: SearchParam, where: str, source: str) -> None:
     if p.type == "categorical":
         if not p.choices:
             raise SweepError(f"{source}: {where}.choices must be a non-empty list")
-    elif p.low is None or p.high is None or not p.low < p.high:
+    elif p.low is None or p.high is None:
+        advice = (f"; choices make a categorical axis: add {where}.type=categorical"
+                  if p.choices else f"; give {where}.low and .high")
+        raise SweepError(f"{source}: {where} (type {p.type}) needs low < high (got {p.low}, "
+                         f"{p.high}){advice}")
+    elif not p.low < p.high:
         raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
     elif p.log and p.low <= 0:
         raise SweepError(f"{source}: {where}: log scale needs low > 0")
+    elif p.choices:
+        raise SweepError(f"{source}: {where}: choices are for type categorical, and low/high "
+                         f"for float and int (type {p.type}); give one or the other")
+    if p.type == "int":  # the schema reads low/high as floats (2 -> 2.0): back to integers
+        if not (float(p.low).is_integer() and float(p.high).is_integer()):
+            raise SweepError(f"{source}: {where} (type int) needs integer low and high (got "
+                             f"{p.low}, {p.high})")
+        p.low, p.high = int(p.low), int(p.high)
 
 
 def _check_values(values: Any, where: str, source: str) -> None:
