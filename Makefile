@@ -121,7 +121,9 @@ report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); d
 
 # A study is read through its view of short run names, <study>/tensorboard/ (docs/sweeps.md): its
 # folder would show every run twice. Without STUDY, a temporary folder of links names each study
-# (its view) and each other run folder of RUNS by its folder's name.
+# (its view's runs and report) and each other run folder of RUNS by its folder's name; the
+# studies' HParams configs are left out, so that TensorBoard's HParams view holds every study's
+# runs with a study column (one study's view: STUDY=).
 tensorboard_dir = $(if $(and $(wildcard $(1)/optuna.journal),$(wildcard $(1)/tensorboard/.)),$(1)/tensorboard,$(1))
 tensorboard: $(STAMP) ## TensorBoard on STUDY=runs/<name> (its runs by short names; default: every study and run in RUNS=runs/) at http://localhost:6006 (ARGS="--port 6007")
 ifneq ($(STUDY),)
@@ -130,7 +132,11 @@ else
 	@[ -n "$(wildcard $(RUNS)/*/.)" ] || { echo "muoneq: nothing under $(RUNS)/ to show; run a study first (make demo), or pass STUDY=runs/<name>" >&2; exit 2; }
 	@links=$$(mktemp -d) && trap 'rm -r "$$links"' EXIT && \
 	for d in $(foreach d,$(wildcard $(RUNS)/*/.),$(call tensorboard_dir,$(d:/.=))); do \
-		name=$${d#$(RUNS)/}; ln -s "$$(realpath "$$d")" "$$links/$${name%%/*}"; \
+		name=$${d#$(RUNS)/}; name=$${name%%/*}; \
+		if [ "$$d" = "$(RUNS)/$$name" ]; then ln -s "$$(realpath "$$d")" "$$links/$$name"; \
+		else mkdir "$$links/$$name" && for e in "$$d"/*; do \
+			[ "$${e##*/}" = hparams ] || [ ! -e "$$e" ] || ln -s "$$(realpath "$$e")" "$$links/$$name/$${e##*/}"; \
+		done; fi; \
 	done && \
 	$(VENV)/bin/tensorboard --logdir "$$links" $(ARGS)
 endif

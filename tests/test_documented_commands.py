@@ -140,11 +140,14 @@ def test_make_tensorboard_reads_a_study(tmp_path):
     """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's) on the
     study's view of short run names (a folder without one: the folder); without ``STUDY``, on
     every study's view and every other folder of ``RUNS``, each once, by its name.
-    ``ARGS=--inspect`` reads the events instead of starting the server."""
+    Without ``STUDY``, the studies' HParams configs are left out, so that TensorBoard infers one
+    HParams view of every session, whose ``study`` says its study (one config of several would
+    be picked at random, with its study's columns only). ``ARGS=--inspect`` reads the events
+    instead of starting the server."""
     from torch.utils.tensorboard import SummaryWriter
 
     from muoneq.suite.sweeps import Driver
-    from tests.helpers.sweeps import options, write_sweep
+    from tests.helpers.sweeps import options, session, write_sweep
 
     runs = tmp_path / "runs"
     with SummaryWriter(str(runs / "plain" / "tensorboard")) as w:  # a `muoneq train` run
@@ -164,10 +167,13 @@ def test_make_tensorboard_reads_a_study(tmp_path):
     assert inspected(f"STUDY={runs / 'tiny'}") == sorted(
         str(view / name) for name in ("hparams", "muon_nes/seed0",
                                       "muoneq_nes/seed0"))
-    every = inspected(f"RUNS={runs}")  # under a temporary folder of links
+    # every study under a temporary folder of links, without its HParams config: TensorBoard
+    # infers one view of every study's sessions, each saying its study
+    every = inspected(f"RUNS={runs}")
     assert [os.path.relpath(p, os.path.commonpath(every)) for p in every] == [
-        "plain/tensorboard", "tiny/hparams", "tiny/muon_nes/seed0",
-        "tiny/muoneq_nes/seed0"], every
+        "plain/tensorboard", "tiny/muon_nes/seed0", "tiny/muoneq_nes/seed0"], every
+    sessions = [session(d)[1] for d in (runs / "tiny" / "trials").glob("*/seed0")]
+    assert [s["study"] for s in sessions] == ["tiny", "tiny"]
 
 
 @pytest.mark.slow
