@@ -381,6 +381,20 @@ def test_dry_run_lists_runs_and_the_first_command(capsys):
             "value of every axis, once in each config shape)") in out
 
 
+def test_dry_run_says_cifar10_is_missing(tmp_path, caplog, capsys):
+    """As the language studies say their shards are missing: a line before the runs, which
+    are still listed (the machines that run the trials may hold the data)."""
+    from muoneq.suite.sweeps.cli import main
+
+    root = tmp_path / "nowhere"
+    assert main(["ablation-cifar10", "--dry-run", "--runs-dir", str(tmp_path / "runs"),
+                 "--override", f"task.data.root={root}"]) == 0
+    (line,) = [r.getMessage() for r in caplog.records if "not on this machine" in r.getMessage()]
+    assert f"CIFAR-10 not found at task.data.root={root} (a run with task.data.download=true " \
+           "downloads it first, which needs the network)" in line
+    assert "99 runs" in capsys.readouterr().out
+
+
 def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path, capsys):
     """A misspelled override or a bad grid value fails --dry-run and the real sweep alike,
     naming the point, before the study exists (so it is not locked to the mistake)."""

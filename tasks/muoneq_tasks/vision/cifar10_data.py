@@ -160,6 +160,28 @@ def load_cifar10(root: str | Path, *, download: bool = False) -> Cifar10Arrays:
     raise DataError(missing_data_message(root))
 
 
+def check_data(config: Cifar10DataConfig) -> None:
+    """What a run of ``config`` would say about its data before its first step, from the
+    files' names and an archive's array names (nothing is loaded or downloaded): a
+    :class:`DataError` when no source of the module docstring holds CIFAR-10 (with
+    ``task.data.download=true`` the run would download it, so the message says that this needs
+    the network), a :class:`Cifar10FormatError` for an archive without CIFAR-10's arrays."""
+    root = Path(config.root).expanduser()
+    archive = root if root.suffix == ".npz" else root / "cifar10.npz"
+    if archive.is_file() and not (root / "cifar-10-batches-py").is_dir():
+        with np.load(archive, allow_pickle=False) as found:
+            missing = [k for k in NPZ_KEYS if k not in found.files]
+        if missing:
+            raise _bad(archive, f"missing array(s) {missing} (found {found.files})")
+        return
+    if not needs_download(root) and root.suffix != ".npz":
+        return
+    reason = ("no such file" if root.suffix == ".npz" else
+              "a run with task.data.download=true downloads it first, which needs the network"
+              if config.download else "")
+    raise DataError(missing_data_message(root, reason))
+
+
 def needs_download(root: str | Path) -> bool:
     root = Path(root).expanduser()
     return root.suffix != ".npz" and not (root / "cifar-10-batches-py").is_dir() and not (
