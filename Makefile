@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help install test test-fast lint demo data-fineweb data-c4 train-llama-tiny figure-ns-geometry bench
 .PHONY: bench-trial
 .PHONY: ablation-cifar10 ablation-gpt2 heatmap-gpt2 ksweep-gpt2 lrsweep-llama130m
-.PHONY: lrsweep-llama350m table-llama report tensorboard
+.PHONY: lrsweep-llama350m table-llama report tensorboard miniatures
 .PHONY: train-cifar10
 
 help: ## list every target
@@ -74,39 +74,41 @@ gpu-check: $(STAMP) ## gpu tests, bench, GPT2/LLaMA2-130M/ResNet (step breakdown
 gpu-wheels: $(STAMP) ## download the py3.12 wheels a bare GPU machine lacks (omegaconf, optuna, ...) -> .whl/
 	PYTHON=$(PY) bash benchmarks/gpu_machine.sh wheels
 
-# Paper studies (`muoneq sweep`, then `muoneq report`): WORKERS= trials at once on this machine
-# (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each), STORAGE= a shared
-# study (postgresql://user@host:port/db) for workers on many machines, ARGS= more sweep flags
-# (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run checks every
-# run's config and lists the runs, ARGS=--status counts them: no report then). Re-running the
-# same target continues an interrupted study; nothing finished is run twice. Output:
+# Paper studies (`muoneq sweep … --report`: the sweep, then its report): WORKERS= trials at once
+# on this machine (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each),
+# STORAGE= a shared study (postgresql://user@host:port/db) for workers on many machines, ARGS=
+# more sweep flags (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run
+# checks every run's config and lists the runs, ARGS=--status counts them: no report then).
+# MINI=1: the study in miniature, <study>-mini, in minutes on a laptop's CPU (its sweep file's
+# mini: section, 2 trials at once unless WORKERS=; docs/reproduce.md). Re-running the same
+# target continues an interrupted study; nothing finished is run twice. Output:
 # runs/<study>/report/. GPU-hours assume ~40% MFU on H100-class GPUs (see docs/sweeps.md).
-WORKERS ?= 1
-sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --workers $(WORKERS) \
-	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) \
-	$(if $(filter --dry-run --status,$(ARGS)),,&& $(PY) -m muoneq report sweeps/$(1).yaml \
-	$(if $(STORAGE),--storage $(STORAGE)))
+sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --report $(if $(MINI),--mini) \
+	--workers $(or $(WORKERS),$(if $(MINI),2,1)) $(if $(STORAGE),--storage $(STORAGE)) $(ARGS)
 
-ablation-cifar10: $(STAMP) ## Table 2: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h)
+ablation-cifar10: $(STAMP) ## Table 2: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ablation-cifar10)
 
-ablation-gpt2: $(STAMP) ## Table 3: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h)
+ablation-gpt2: $(STAMP) ## Table 3: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ablation-gpt2)
 
-heatmap-gpt2: $(STAMP) ## Figures 4c,d and 8: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h)
+heatmap-gpt2: $(STAMP) ## Figures 4c,d and 8: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,heatmap-gpt2)
 
-ksweep-gpt2: $(STAMP) ## Figure 4a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h)
+ksweep-gpt2: $(STAMP) ## Figure 4a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ksweep-gpt2)
 
-lrsweep-llama130m: $(STAMP) ## Figure 5a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h)
+lrsweep-llama130m: $(STAMP) ## Figure 5a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,lrsweep-llama130m)
 
-lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h)
+lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,lrsweep-llama350m)
 
-table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
+table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,table-llama)
+
+miniatures: $(STAMP) ## every study's miniature (MINI=1) in turn, timed -> benchmarks/results/miniatures.{json,md} (NAMES="ksweep-gpt2 ...")
+	$(PY) benchmarks/miniatures.py $(NAMES)
 
 RUNS ?= runs
 report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in RUNS=runs/ (those without a finished run skipped)

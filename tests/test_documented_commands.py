@@ -192,6 +192,22 @@ def test_make_sweep_targets_dry_run_compose_every_value(tmp_path):
     assert "written to" not in done.stdout and not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_a_sweep_target_reports_the_study_its_args_name(tmp_path):
+    """``make ksweep-gpt2 ARGS="--set study=… --runs-dir …"``: the chained report is the
+    study the sweep ran, in the folder it ran in (it looked for runs/ksweep-gpt2 and stopped
+    with make's Error 2). The trials are the objective program (no training)."""
+    from tests.helpers.sweeps import OBJECTIVE
+
+    command = f"{{python}} {OBJECTIVE} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+    done = make("ksweep-gpt2", f"ARGS=--runs-dir {tmp_path} --set study=renamed "
+                f"--set 'launch.command=\"{command}\"' --override metric=val/ppl")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "study renamed: 12/12 runs done" in done.stdout
+    assert (tmp_path / "renamed" / "report" / "report.md").read_text().startswith("# renamed\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["renamed"]
+
+
 # ------------------------------------------------------------------------ documented commands
 @dataclass
 class Doc:

@@ -28,7 +28,6 @@ lr × momentum heatmap (``make heatmap-gpt2``) is not part of the demo.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -87,22 +86,11 @@ def demo_sweep(data_dir: Path) -> dict:
 
 
 def prepare_text(data_dir: Path) -> None:
-    """Shards of the pydoc topics (skipped when already there; ``muoneq data`` resumes)."""
-    import pydoc_data.topics
+    """Shards of the pydoc topics (skipped when already there): the language task's data for
+    miniatures (:mod:`muoneq_tasks.language.mini`, reached through the task registry)."""
+    from muoneq.suite.runtime.tasks import get_task
 
-    from muoneq.suite.cli import main as cli
-
-    if (data_dir / "prepare.json").exists():
-        return
-    text = data_dir.parent / "pydoc_topics.jsonl"
-    text.parent.mkdir(parents=True, exist_ok=True)
-    with text.open("w") as fh:
-        for name in sorted(pydoc_data.topics.topics):
-            fh.write(json.dumps({"text": pydoc_data.topics.topics[name]}) + "\n")
-    code = cli(["data", "--source", str(text), "--out", str(data_dir), "--tokenizer", "byte",
-                "--val-tokens", "16384", "--workers", "1"])
-    if code:
-        raise SystemExit(f"muoneq data failed with status {code}")
+    get_task("language").mini_data(data_dir)
 
 
 def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:

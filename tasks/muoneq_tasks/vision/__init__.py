@@ -35,5 +35,13 @@ def check_data(cfg) -> None:
     check_data(cfg.task.data)
 
 
+def mini_data(folder):
+    """scikit-learn's handwritten digits in CIFAR-10's format: :func:`.digits.mini_data`."""
+    from muoneq_tasks.vision.digits import mini_data
+
+    return mini_data(folder)
+
+
 TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
-                metrics, synthetic_data, check_data=check_data, lean_imports=True)
+                metrics, synthetic_data, check_data=check_data, lean_imports=True,
+                mini_data=mini_data)
