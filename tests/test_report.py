@@ -243,6 +243,33 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "MuonEq-Nes (R) (lr=0.02), 2 seeds"]
     assert len(ax.collections) == 1  # the band
+    # the right panel: the last half of the steps on a scale of its own, where methods differ
+    zoom = plot.figure.axes[1]
+    assert zoom.get_xlim()[0] == 20 and zoom.get_title() == "the last 50% of the steps"
+    assert zoom.get_ylim()[0] < 10 / 3 and 15 < zoom.get_ylim()[1] < 16
+
+
+def test_a_missing_curve_says_why(tmp_path):
+    """Runs shorter than trainer.log_every_n_steps log no training scalar: the report says so,
+    with the override that fixes it; otherwise it lists what the run did log."""
+    from types import SimpleNamespace
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from muoneq.suite.report.build import _why_no_curve
+
+    run_dir = tmp_path / "run"
+    with SummaryWriter(str(run_dir / "tensorboard")) as w:
+        w.add_scalar("val/loss", 3.0, 15)
+    (run_dir / "config.yaml").write_text("trainer: {log_every_n_steps: 25}\n"
+                                         "provenance: {fingerprint: abc}\n")
+    data = SimpleNamespace(runs=[{"_run_dir": str(run_dir), "global_step": 15}])
+    assert _why_no_curve(data, "train/loss") == (
+        ": its runs ran 15 steps, and a run logs its training scalars every "
+        "trainer.log_every_n_steps=25 steps; run them with a smaller one (e.g. --override "
+        "trainer.log_every_n_steps=1)")
+    data.runs[0]["global_step"] = 40
+    assert _why_no_curve(data, "train/los") == " (the first run logged: val/loss)"
 
 
 def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, capsys):

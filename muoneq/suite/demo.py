@@ -56,6 +56,8 @@ def demo_sweep(data_dir: Path) -> dict:
             "task.data.micro_batch_size=16", "task.data.val_tokens=8192",
             # 20 validations: enough points to interpolate the speedups' crossings
             "task.val_every_n_steps=5", "trainer.max_steps=100", "trainer.progress=quiet",
+            # the training loss every 5 steps too: 20 points on its curve, not the recipe's 4
+            "trainer.log_every_n_steps=5",
             # the study reads its runs' metrics: no best.ckpt, which would be written again at
             # nearly every validation (the best value is still recorded)
             "trainer.save_best=false",
@@ -79,6 +81,8 @@ def demo_sweep(data_dir: Path) -> dict:
                         "metrics": [{"key": "val/ppl", "label": "Val. perplexity"},
                                     {"key": "step_time_s", "label": "s/step", "digits": 3}],
                         "speedup": {"tag": "val/loss"}}],
+            # the one-glance answer: each method's perplexity against the lr, seeds as a band
+            "lines": [{"name": "lr", "x": "optimizer.lr", "metrics": ["val/ppl"], "logx": True}],
             "curves": {"tags": ["val/ppl", "train/loss"],
                        "select": ["optimizer.lr", "optimizer.momentum"]},
         },

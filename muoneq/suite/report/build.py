@@ -218,6 +218,28 @@ def _line_section(data: StudyData, lspec: LineSpec, palette: Palette, report: Re
     return f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n"
 
 
+def _why_no_curve(data: StudyData, tag: str) -> str:
+    """Why no run logged ``tag``, read from the first run: runs shorter than
+    ``trainer.log_every_n_steps`` (no training scalar is logged before it), or the tags it did
+    log (a misspelled tag)."""
+    from muoneq.suite.runtime import record
+    from muoneq.suite.sweeps.events import ScalarReader
+
+    run = data.runs[0]
+    try:
+        config = record.read_record(Path(run["_run_dir"])) or {}
+    except (OSError, ValueError):
+        config = {}
+    every = (config.get("trainer") or {}).get("log_every_n_steps")
+    steps = run.get("global_step")
+    if isinstance(every, int) and isinstance(steps, int) and steps < every:
+        return (f": its runs ran {steps} steps, and a run logs its training scalars every "
+                f"trainer.log_every_n_steps={every} steps; run them with a smaller one (e.g. "
+                f"--override trainer.log_every_n_steps={max(1, steps // 10)})")
+    logged = ScalarReader(run["_run_dir"]).tags()
+    return f" (the first run logged: {', '.join(logged) or 'no scalar'})"
+
+
 def _curve_section(data: StudyData, palette: Palette, report: Report, writer) -> str:
     """The learning curves of every requested TensorBoard tag."""
     spec = data.spec.report.curves
@@ -226,7 +248,8 @@ def _curve_section(data: StudyData, palette: Palette, report: Report, writer) ->
     parts = []
     for tag in spec.tags:
         if tag not in curves:
-            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
+            why = _why_no_curve(data, tag)
+            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}{why}.\n")
             continue
         path = curves[tag].path
         report.files.append(path)

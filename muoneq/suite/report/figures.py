@@ -384,6 +384,33 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
 
 
 # ------------------------------------------------------------------------------ learning curves
+#: the share of the steps a curve figure's right panel shows, at the end of training
+ZOOM_SHARE = 0.5
+
+
+def _zoom_on_the_end(ax, plotted: dict[str, Curve], tag: str) -> None:
+    """The last :data:`ZOOM_SHARE` of the steps on a scale of their own, where the methods
+    differ (on the whole run's scale their final values, and bands, lie on one line)."""
+    last = max(cv.steps[-1] for cv in plotted.values())
+    first = min(cv.steps[0] for cv in plotted.values())
+    start = last - ZOOM_SHARE * (last - first)
+    values = [v for cv in plotted.values() for s, lo, hi in zip(cv.steps, cv.low, cv.high,
+                                                                 strict=True)
+              if s >= start for v in (lo, hi)]
+    if last == first or not values:
+        ax.set_visible(False)
+        return
+    low, high = min(values), max(values)
+    pad = 0.05 * (high - low or abs(high) or 1.0)
+    ax.set_xlim(start, last + 0.02 * (last - first))
+    ax.set_ylim(low - pad, high + pad)
+    ax.set_title(f"the last {ZOOM_SHARE:.0%} of the steps", fontsize=10)
+    ax.set_xlabel("global step (optimizer steps)")
+    ax.set_ylabel(tag)
+    ax.grid(alpha=0.3)
+
+
+
 @dataclass
 class Curve:
     """One row's curve of a tag: the mean over seeds and the min–max band, by global step."""
@@ -428,8 +455,8 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
     palette = palette or Palette()
     out = {}
     for tag in spec.tags:
-        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-        ax = fig.add_subplot()
+        fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+        ax, zoom = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
         plotted: dict[str, Curve] = {}
         style = palette.styles()
         for key, c in chosen.items():
@@ -443,14 +470,15 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
                             if c.values[a] is not None)
             label = setting_label(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
             few = len(steps) <= FEW_POINTS  # a marker at each point; one point is no line
-            line, = ax.plot(steps, curve.mean, marker="o" if few else None,
-                            markersize=6 if len(steps) == 1 else 3,
-                            label=f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
-                            + (f", one point (step {steps[0]})" if len(steps) == 1 else ""),
-                            **style(c.values))
-            if curve.seeds > 1:
-                ax.fill_between(steps, curve.low, curve.high, color=line.get_color(), alpha=0.2,
-                                linewidth=0)
+            look = {"marker": "o" if few else None, "markersize": 6 if len(steps) == 1 else 3,
+                    **style(c.values)}
+            for target in (ax, zoom):
+                line, = target.plot(steps, curve.mean, **look, label=(
+                    f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
+                    + (f", one point (step {steps[0]})" if len(steps) == 1 else "")))
+                if curve.seeds > 1:
+                    target.fill_between(steps, curve.low, curve.high, color=line.get_color(),
+                                        alpha=0.15, linewidth=0)
             plotted[label] = curve
         if not plotted:
             continue
@@ -469,6 +497,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
+        _zoom_on_the_end(zoom, plotted, tag)
         name = figure_name(tag)
         path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")
         out[tag] = CurvePlot(path, fig, plotted)
