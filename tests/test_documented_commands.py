@@ -222,7 +222,13 @@ class Doc:
 MAKE_TEST = "a test of this module runs this target through make"
 README_COMMANDS: dict[str, Doc] = {
     "make demo": Doc("skip", "the main job itself (~4 min on 2 cores), run by hand"),
-    "make test": Doc("skip", "this suite"),
+    "pip install .": Doc("skip", "tests/test_packaging.py builds the wheel and installs it"),
+    "make ksweep-gpt2 MINI=1": Doc("make", "tests/test_miniatures.py runs every miniature "
+                                           "through make"),
+    "make heatmap-gpt2 MINI=1 WORKERS=4": Doc("make", "tests/test_miniatures.py runs it "
+                                                      "through make (WORKERS: trials at once)"),
+    "make miniatures": Doc("skip", "every miniature in turn, minutes each; each is tested "
+                                   "through its make target in tests/test_miniatures.py"),
     "muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 seed=1":
         Doc("run", "muoneq train: finished runs/cifar10_resnet18-muoneq_nes-seed1-",
             shorten=["<tiny cifar>"]),
