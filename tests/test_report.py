@@ -463,3 +463,26 @@ def test_a_study_whose_runs_all_diverged_says_so(tmp_path, capsys):
         f"muoneq report: skipped study div ({study_dir}): it has 8 finished runs and every one "
         "diverged (")
 
+
+
+def test_a_search_s_table_rounds_its_values_sorts_by_the_objective_and_counts_pruned(tmp_path):
+    """A TPE study's rows are the sampler's points: labelled to three significant digits,
+    best first; the report says how many trials the pruner stopped."""
+    rows = [(opt("muoneq_nes", 0.044303752452182654, "R"), [7.6, 7.7]),
+            (opt("muoneq_nes", 0.7780155576901415, "C"), [1.9, 2.0]),
+            (opt("muoneq_nes", 0.00120392805220467, "C"), [63.0, 64.0])]
+    table = build_table(runs_of(rows, "val_ppl"), TableSpec(select=[]), AXES, "val_ppl",
+                        "minimize", [p for p, _ in rows], search=True)
+    assert [label for label, _, _ in table.rows] == [
+        "MuonEq-Nes (C) | lr=0.778", "MuonEq-Nes (R) | lr=0.0443", "MuonEq-Nes (C) | lr=0.0012"]
+    sweep = {"study": "s", "experiment": "cifar10_resnet18", "seeds": [0],
+             "search": {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1.0,
+                                                    "log": True}}},
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    path, spec, study = stored_study(tmp_path, sweep)
+    add_trial(study, ({"optimizer.lr": 0.0123456}, "optimizer.lr=0.0123456"), 0, 0.9)
+    for i in range(2):
+        add_trial(study, ({"optimizer.lr": 0.5 + i}, f"optimizer.lr={0.5 + i}"), 0, None,
+                  state=TrialState.PRUNED, outcome="pruned")
+    report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"), tensorboard=False)
+    assert "2 trials were pruned (stopped early by Optuna's pruner" in report.markdown

@@ -6,6 +6,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optuna.trial import TrialState
+
 from muoneq.suite.report import machine, optuna_views, paired, speedup
 from muoneq.suite.report import plan_tables as plan_report
 from muoneq.suite.report.figures import (
@@ -99,6 +101,10 @@ def _header(data: StudyData) -> str:
              f"\n{ran}\n" if ran else "",
              f"\n{len(data.runs)} finished runs; objective {data.objective} "
              f"({data.direction}).\n"]
+    pruned = sum(t.state == TrialState.PRUNED for t in data.trials)
+    if pruned:
+        parts.append(f"\n{pruned} trial{'s were' if pruned > 1 else ' was'} pruned (stopped "
+                     "early by Optuna's pruner, prune:), left out of the tables.\n")
     if data.duplicates:
         parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
     return "".join(parts)
@@ -150,6 +156,8 @@ def what_ran(runs: list[dict]) -> str:
              f"on {runs[0]['device']}" if runs[0].get("device") else "",
              f"(trainer.accelerator={trainer['accelerator']})" if trainer.get("accelerator")
              else "", f"reading {where}" if where else ""]
+    if parts[1:] == [""] * (len(parts) - 1) and not budget:
+        return ""  # runs that recorded neither (no `muoneq train`)
     return " ".join(p for p in parts if p) + "."
 
 
@@ -168,7 +176,8 @@ def _table_section(data: StudyData, tspec: TableSpec, points: list[dict], palett
                    report: Report, writer) -> str:
     """One table (Markdown, LaTeX) with its paired differences and speedups."""
     out_dir = report.out_dir
-    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points)
+    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points,
+                        search=data.spec.kind == "tpe")
     found = paired.comparisons(table) if tspec.deltas else []
     md = (to_markdown(table) + paired.to_markdown(table, found)
           + machine.timing_note(data.runs, [m.key for m in table.metrics]))
