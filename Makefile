@@ -51,10 +51,10 @@ data-fineweb: $(STAMP) ## tokenize FineWeb (sample-100BT, GPT-2 BPE) to shards: 
 data-c4: $(STAMP) ## tokenize C4 en (T5's tokenizer, C4's validation split) to shards: TOKENS=21B OUT=data/c4
 	$(PY) -m muoneq data --source c4 --tokenizer hf:google-t5/t5-base --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
 
-train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA
+train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA (TOKENIZER=byte: offline)
 	@test -n "$(TEXT)" || { echo "muoneq: no text given; pass TEXT=path/to/tinyshakespeare.txt (any plain-text file)" >&2; exit 2; }
-	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M
-	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(ARGS)
+	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(if $(TOKENIZER),task.data.tokenizer=$(TOKENIZER)) $(ARGS)
 
 figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)

@@ -80,6 +80,14 @@ def test_make_train_llama_tiny(tmp_path):
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["task"]["data"]["tokenizer"] == "gpt2"  # what `muoneq data` wrote
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 2
+    # offline, without GPT-2's BPE: the byte tokenizer
+    byte = make("train-llama-tiny", f"TEXT={text}", f"OUT={tmp_path / 'bytes'}", "TOKENIZER=byte",
+                "ARGS=trainer.max_steps=2 task.val_every_n_steps=2 task.data.val_tokens=256 "
+                f"task.data.batch_size=8 schedule.warmup_steps=1 run.dir={tmp_path / 'b'}",
+                env=clean_env(TIKTOKEN_CACHE_DIR=str(tmp_path / "no-cache")))
+    assert byte.returncode == 0, byte.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    assert config["task"]["data"]["tokenizer"] == "byte"
     missing = make("train-llama-tiny")
     assert missing.returncode == 2
     assert one_line_error(missing.stderr).startswith("muoneq: no text given; pass TEXT=")
