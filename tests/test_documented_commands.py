@@ -120,7 +120,9 @@ def test_make_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(out.read_text())["quick"] is True
+    record = json.loads(out.read_text())
+    assert record["quick"] is True and record["cores"] == os.cpu_count()
+    assert len(record["load_avg"]) == 2  # the lowest and highest load while it ran
 
 
 @pytest.mark.slow
