@@ -1,12 +1,12 @@
 """``make miniatures``: run every paper study's miniature as a user would (``make NAME MINI=1``,
 one after another, from this checkout) and record how long each took and what it printed.
 
-Writes ``benchmarks/results/miniatures.json`` and ``miniatures.md`` (or ``--out``): the machine
-(CPU, cores, the 1-minute load average before and after each target: a load above the cores
-means other jobs shared them and the times are the machine's as much as the miniature's), the
-date and commit, and per miniature its wall-clock seconds, its runs and the first table or
-figure of its report. docs/reproduce.md links the record; the times there are never typed by
-hand.
+Writes ``benchmarks/results/miniatures.json`` and ``miniatures.md`` (or ``--out``), a row per
+miniature, replaced when it is measured again: its wall-clock seconds, its runs, the machine (CPU,
+cores, the 1-minute load average before and after: a load above the cores means other jobs
+shared them and the time is the machine's as much as the miniature's), the date and commit, and
+the first table or figure of its report. docs/reproduce.md links the record; the times there
+are never typed by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +36,9 @@ def shown(report_dir: Path) -> str:
 
 
 def run(name: str, runs_dir: Path) -> dict:
+    """``make NAME MINI=1`` timed from nothing: its study folder, the one this command wrote
+    the last time, is removed first (the runs of a study already there would not run again)."""
+    shutil.rmtree(runs_dir / f"{name}-mini", ignore_errors=True)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(["make", "-s", "-C", str(REPO), name, "MINI=1",
@@ -51,15 +55,17 @@ def run(name: str, runs_dir: Path) -> dict:
 
 def markdown(record: dict) -> str:
     lines = ["# Miniatures: `make NAME MINI=1`\n",
-             f"{record['date']}, commit {record['commit']}, {record['cpu']}, {record['cores']} "
-             f"cores, `{record['command']}` (written by it; docs/reproduce.md).\n",
-             "| command | time | runs | load before → after | exit |", "|---|--:|--:|---|--:|"]
+             "Written by `make miniatures` (docs/reproduce.md); each row by the run that measured "
+             "it.\n",
+             "| command | time | runs | machine | load before → after | date, commit | exit |",
+             "|---|--:|--:|---|---|---|--:|"]
     for m in record["miniatures"]:
         minutes, seconds = divmod(round(m["seconds"]), 60)
         lines.append(f"| `{m['command']}` | {minutes} min {seconds:02d} s | {m['runs']} | "
-                     f"{m['load_before']} → {m['load_after']} | {m['exit_code']} |")
+                     f"{m['cpu']}, {m['cores']} cores | {m['load_before']} → "
+                     f"{m['load_after']} | {m['date']}, {m['commit']} | {m['exit_code']} |")
     busy = [m["name"] for m in record["miniatures"]
-            if max(m["load_before"], m["load_after"]) > 1.1 * record["cores"]]
+            if max(m["load_before"], m["load_after"]) > 1.1 * m["cores"]]
     if busy:
         lines.append(f"\nThe machine was busy (a load over its cores) around {', '.join(busy)}: "
                      "those times are the machine's as much as the miniature's.")
@@ -71,7 +77,9 @@ def markdown(record: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help="the sweeps (default: every shipped one)")
-    p.add_argument("--runs-dir", type=Path, default=REPO / "runs")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "miniatures",
+                   help="where the studies go (default runs/miniatures: this command's own, "
+                        "each study removed before it runs again)")
     p.add_argument("--out", type=Path, default=RESULTS / "miniatures",
                    help="record path without suffix (default benchmarks/results/miniatures)")
     args = p.parse_args(argv)
@@ -81,16 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     from muoneq.suite.machine import device_name
     from muoneq.suite.runtime.record import git_commit, git_dirty
 
-    record = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-              "commit": f"{(git_commit() or '?')[:10]}{' (dirty)' if git_dirty() else ''}",
-              "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count(),
-              "command": "make miniatures" + (f" NAMES=\"{' '.join(args.names)}\""
-                                              if args.names else ""),
-              "miniatures": []}
+    path = args.out.with_suffix(".json")
+    record = json.loads(path.read_text()) if path.is_file() else {"miniatures": []}
+    for m in record["miniatures"]:  # a record of one run for all: its machine, date, commit
+        for key in ("date", "commit", "cpu", "cores"):
+            m.setdefault(key, record.get(key))
     for name in names:
         print(f"make {name} MINI=1 …", flush=True)
-        record["miniatures"].append(run(name, args.runs_dir.resolve()))
-        print(f"  {record['miniatures'][-1]['seconds']} s", flush=True)
+        entry = {**run(name, args.runs_dir.resolve()),
+                 "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                 "commit": f"{(git_commit() or '?')[:10]}{' (dirty)' if git_dirty() else ''}",
+                 "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count()}
+        # a miniature measured again replaces its row; the others keep theirs
+        record["miniatures"] = sorted([m for m in record["miniatures"] if m["name"] != name]
+                                      + [entry], key=lambda m: m["name"])
+        print(f"  {entry['seconds']} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(record))

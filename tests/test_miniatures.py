@@ -1,9 +1,10 @@
 """Every paper study in miniature, as a user runs it: ``make NAME MINI=1`` (docs/reproduce.md).
 
 The sweep files' ``mini:`` sections keep each study's objective, search axes and report, bound
-bracketing and name the study ``<study>-mini``; each miniature runs through its own make
-command line (the runs in a temporary folder: ``ARGS=--runs-dir``), on the real data its task
-prepares offline, and writes its report, whose header says what ran.
+bracketing and name the study ``<study>-mini``; each miniature's make command line prepares its
+real data offline and checks every run it would make (``ARGS=--dry-run``, the runs in a
+temporary folder: ``ARGS=--runs-dir``), and two of them run in full and write their report,
+whose header says what ran.
 """
 
 from __future__ import annotations
@@ -51,7 +52,29 @@ def test_a_miniature_keeps_the_axes_and_is_asked_of_a_sweep_that_has_one(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SWEEPS)
+def test_every_miniature_prepares_its_data_and_checks_every_run_through_make(tmp_path):
+    """``make <target> MINI=1 ARGS=--dry-run`` for every study: its data prepared offline (real
+    text, real images), every value of every axis composed as ``muoneq train`` will, the
+    report's metrics checked; nothing run (the runs of each are ``make miniatures``' to time:
+    the suite's budget holds two of them, below)."""
+    done = make("-j2", *SWEEPS, "MINI=1", f"ARGS=--dry-run --runs-dir {tmp_path}", timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for name in SWEEPS:
+        spec = load_sweep(name, mini=True)
+        assert (f"study {name}-mini: {len(spec.points())} points × {len(spec.seeds)} seeds"
+                in done.stdout)
+        data = tmp_path / f"{name}-mini" / "data"
+        assert (data / ("digits.npz" if name == "ablation-cifar10" else "prepare.json")).is_file()
+    assert "not on this machine" not in done.stdout + done.stderr  # the data is there
+
+
+#: the miniatures the suite runs in full (a table with speedups and columns; a line figure);
+#: every one is timed by `make miniatures` (benchmarks/results/miniatures.md)
+RUN_IN_FULL = ["ksweep-gpt2", "table-llama"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUN_IN_FULL)
 def test_make_target_mini_runs_the_study_in_miniature(name, tmp_path):
     """``make NAME MINI=1``: the miniature's runs, then its report (the make target's chained
     report reads the study the sweep ran: ``<study>-mini``), whose header says what ran."""

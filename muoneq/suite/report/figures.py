@@ -364,6 +364,8 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
         if spec.logx and numeric:
             ax.set_xscale("log")
         ax.set_xticks(xs if numeric else range(len(xs)), [_tick(x) for x in xs])
+        if len(xs) > 4:  # a grid grown by bracketing: neighbouring labels would touch
+            ax.tick_params(axis="x", labelrotation=35)
         ax.minorticks_off()
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(f"{m} ({better_note(direction if m == objective else 'minimize')})")
