@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help install test test-fast lint demo data-fineweb data-c4 train-llama-tiny figure-ns-geometry bench
 .PHONY: bench-trial
 .PHONY: ablation-cifar10 ablation-gpt2 heatmap-gpt2 ksweep-gpt2 lrsweep-llama130m
-.PHONY: lrsweep-llama350m table-llama report tensorboard
+.PHONY: lrsweep-llama350m table-llama report tensorboard miniatures
 .PHONY: train-cifar10
 
 help: ## list every target
@@ -51,10 +51,10 @@ data-fineweb: $(STAMP) ## tokenize FineWeb (sample-100BT, GPT-2 BPE) to shards: 
 data-c4: $(STAMP) ## tokenize C4 en (T5's tokenizer, C4's validation split) to shards: TOKENS=21B OUT=data/c4
 	$(PY) -m muoneq data --source c4 --tokenizer hf:google-t5/t5-base --tokens $(or $(TOKENS),21B) --out $(or $(OUT),data/c4) $(ARGS)
 
-train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA
+train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=file.txt, then a tiny LLaMA (TOKENIZER=byte: offline)
 	@test -n "$(TEXT)" || { echo "muoneq: no text given; pass TEXT=path/to/tinyshakespeare.txt (any plain-text file)" >&2; exit 2; }
-	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M
-	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(ARGS)
+	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(if $(TOKENIZER),task.data.tokenizer=$(TOKENIZER)) $(ARGS)
 
 figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
@@ -74,39 +74,41 @@ gpu-check: $(STAMP) ## gpu tests, bench, GPT2/LLaMA2-130M/ResNet (step breakdown
 gpu-wheels: $(STAMP) ## download the py3.12 wheels a bare GPU machine lacks (omegaconf, optuna, ...) -> .whl/
 	PYTHON=$(PY) bash benchmarks/gpu_machine.sh wheels
 
-# Paper studies (`muoneq sweep`, then `muoneq report`): WORKERS= trials at once on this machine
-# (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each), STORAGE= a shared
-# study (postgresql://user@host:port/db) for workers on many machines, ARGS= more sweep flags
-# (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run checks every
-# run's config and lists the runs, ARGS=--status counts them: no report then). Re-running the
-# same target continues an interrupted study; nothing finished is run twice. Output:
+# Paper studies (`muoneq sweep … --report`: the sweep, then its report): WORKERS= trials at once
+# on this machine (default 1; with ARGS="--set launch.devices_per_trial=1" one GPU each),
+# STORAGE= a shared study (postgresql://user@host:port/db) for workers on many machines, ARGS=
+# more sweep flags (e.g. ARGS="--set seeds=[0] --override trainer.max_epochs=10"; ARGS=--dry-run
+# checks every run's config and lists the runs, ARGS=--status counts them: no report then).
+# MINI=1: the study in miniature, <study>-mini, in minutes on a laptop's CPU (its sweep file's
+# mini: section, 2 trials at once unless WORKERS=; docs/reproduce.md). Re-running the same
+# target continues an interrupted study; nothing finished is run twice. Output:
 # runs/<study>/report/. GPU-hours assume ~40% MFU on H100-class GPUs (see docs/sweeps.md).
-WORKERS ?= 1
-sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --workers $(WORKERS) \
-	$(if $(STORAGE),--storage $(STORAGE)) $(ARGS) \
-	$(if $(filter --dry-run --status,$(ARGS)),,&& $(PY) -m muoneq report sweeps/$(1).yaml \
-	$(if $(STORAGE),--storage $(STORAGE)))
+sweep_and_report = $(PY) -m muoneq sweep sweeps/$(1).yaml --report $(if $(MINI),--mini) \
+	--workers $(or $(WORKERS),$(if $(MINI),2,1)) $(if $(STORAGE),--storage $(STORAGE)) $(ARGS)
 
-ablation-cifar10: $(STAMP) ## Table 2: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h)
+ablation-cifar10: $(STAMP) ## Table 2: ResNet-18/CIFAR-10, 99 runs x 100 epochs (~40 GPU-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ablation-cifar10)
 
-ablation-gpt2: $(STAMP) ## Table 3: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h)
+ablation-gpt2: $(STAMP) ## Table 3: GPT2-small/FineWeb 10.5B tok, 96 runs (~850 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ablation-gpt2)
 
-heatmap-gpt2: $(STAMP) ## Figures 4c,d and 8: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h)
+heatmap-gpt2: $(STAMP) ## Figures 4c,d and 8: lr x momentum at K=4,5, GPT2-small 2.6B tok, 64 runs (~140 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,heatmap-gpt2)
 
-ksweep-gpt2: $(STAMP) ## Figure 4a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h)
+ksweep-gpt2: $(STAMP) ## Figure 4a,b: ppl and step time vs K, 12 runs x 10.5B tok (~105 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,ksweep-gpt2)
 
-lrsweep-llama130m: $(STAMP) ## Figure 5a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h)
+lrsweep-llama130m: $(STAMP) ## Figure 5a: LLaMA2-130M/C4 pilot, 42 runs x 2.6B tok (~90 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,lrsweep-llama130m)
 
-lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h)
+lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B tok (~620 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,lrsweep-llama350m)
 
-table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h)
+table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,table-llama)
+
+miniatures: $(STAMP) ## every study's miniature (MINI=1) in turn, timed -> benchmarks/results/miniatures.{json,md} (NAMES="ksweep-gpt2 ...")
+	$(PY) benchmarks/miniatures.py $(NAMES)
 
 RUNS ?= runs
 report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in RUNS=runs/ (those without a finished run skipped)
@@ -121,7 +123,9 @@ report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); d
 
 # A study is read through its view of short run names, <study>/tensorboard/ (docs/sweeps.md): its
 # folder would show every run twice. Without STUDY, a temporary folder of links names each study
-# (its view) and each other run folder of RUNS by its folder's name.
+# (its view's runs and report) and each other run folder of RUNS by its folder's name; the
+# studies' HParams configs are left out, so that TensorBoard's HParams view holds every study's
+# runs with a study column (one study's view: STUDY=).
 tensorboard_dir = $(if $(and $(wildcard $(1)/optuna.journal),$(wildcard $(1)/tensorboard/.)),$(1)/tensorboard,$(1))
 tensorboard: $(STAMP) ## TensorBoard on STUDY=runs/<name> (its runs by short names; default: every study and run in RUNS=runs/) at http://localhost:6006 (ARGS="--port 6007")
 ifneq ($(STUDY),)
@@ -130,7 +134,11 @@ else
 	@[ -n "$(wildcard $(RUNS)/*/.)" ] || { echo "muoneq: nothing under $(RUNS)/ to show; run a study first (make demo), or pass STUDY=runs/<name>" >&2; exit 2; }
 	@links=$$(mktemp -d) && trap 'rm -r "$$links"' EXIT && \
 	for d in $(foreach d,$(wildcard $(RUNS)/*/.),$(call tensorboard_dir,$(d:/.=))); do \
-		name=$${d#$(RUNS)/}; ln -s "$$(realpath "$$d")" "$$links/$${name%%/*}"; \
+		name=$${d#$(RUNS)/}; name=$${name%%/*}; \
+		if [ "$$d" = "$(RUNS)/$$name" ]; then ln -s "$$(realpath "$$d")" "$$links/$$name"; \
+		else mkdir "$$links/$$name" && for e in "$$d"/*; do \
+			[ "$${e##*/}" = hparams ] || [ ! -e "$$e" ] || ln -s "$$(realpath "$$e")" "$$links/$$name/$${e##*/}"; \
+		done; fi; \
 	done && \
 	$(VENV)/bin/tensorboard --logdir "$$links" $(ARGS)
 endif

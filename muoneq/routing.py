@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -469,11 +470,15 @@ def param_groups(
     the first matrix group; the others get it suffixed with their layout (``muon_transposed``).
     With ``no_decay`` the exempt parameters form a last group (``weight_decay=0``, named
     ``<adamw name>_no_decay`` when the AdamW hparams name their group). Empty groups are left
-    out.
+    out. A ``UserWarning`` names each route that looks wrong and the option that changes it
+    (:func:`doubtful_routes`: a matrix with a dimension of 1, a model ending in a linear map
+    that no head rule found).
     """
     routes = route(model, head_names=head_names, adamw_first_conv=adamw_first_conv,
                    adamw_names=adamw_names, transposed=transposed, stacked=stacked,
                    splits=splits, split_fused=split_fused)
+    for text in doubtful_routes(routes, tuple(head_names)):
+        warnings.warn(text, UserWarning, stacklevel=2)
     muon = {**hparams, **(muon_hparams or {})}
     layouts: dict[tuple, list[Tensor]] = {(): []}
     for r in routes:
@@ -507,6 +512,40 @@ def param_groups(
         emit = summary if callable(summary) else print
         emit(format_routes(routes) + "\n" + describe_groups(groups))
     return groups
+
+
+def doubtful_routes(routes: list[Route], head_names: tuple[str, ...]) -> list[str]:
+    """What :func:`param_groups` warns about, each with the option that routes it otherwise:
+
+    * a matrix-path tensor seen as a matrix with a dimension of 1 (a learned position table
+      ``(1, 32, 64)`` read as ``(1, 2048)``): orthogonalizing it only normalizes it, the
+      update of a vector (it is no linear map: AdamW's, by ``adamw_names``);
+    * no output head found while ``head_names`` asks for one, and the model ends with a
+      linear map (a custom classifier ``net.4``; a backbone ending in a norm does not): that
+      map goes to the matrix path, which the paper keeps for hidden layers."""
+    out = []
+    for r in routes:
+        if r.path != "matrix":
+            continue
+        layout = MatrixLayout(tuple(r.param.shape), **r.layout)
+        if any(1 in block for block in layout.blocks):
+            out.append(f"param_groups: {r.name} {tuple(r.param.shape)} is on the matrix path as "
+                       f"{layout.describe()}, with a dimension of 1: orthogonalizing it only "
+                       f"normalizes it; if it is no linear map (a position table, a learned "
+                       f"token, a scale), send it to AdamW with adamw_names=[{r.name!r}]")
+    # the weight of the module that holds the model's last parameters, in module order
+    owner = routes[-1].name.rpartition(".")[0] if routes else None
+    last = next((r for r in routes if r.name.rpartition(".")[0] == owner
+                 and r.path == "matrix" and r.rule == "linear"), None)
+    if head_names and last is not None and not any(r.rule == "head" for r in routes):
+        out.append(f"param_groups: no output head found (no module named "
+                   f"{', '.join(head_names[:4])}…, no get_output_embeddings() or "
+                   f"get_classifier()): the last linear map, {last.name} "
+                   f"{tuple(last.param.shape)}, is on the matrix path; if it is the model's "
+                   f"head, send it to AdamW with adamw_names=[{last.name!r}] (or name its "
+                   "module in head_names); head_names=() keeps every linear map on the matrix "
+                   "path without this warning")
+    return out
 
 
 def describe_routing(model: nn.Module, **routing) -> str:

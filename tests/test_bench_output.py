@@ -75,3 +75,14 @@ def test_the_cpu_label_counts_threads_in_words(threads, words):
 ])
 def test_three_significant_digits(value, text):
     assert sig3(value) == text
+
+
+
+def test_bench_says_when_the_machine_was_busy():
+    """As a report's timing note does: a load over the cores makes the times the machine's
+    (``make bench`` records the loads: tests/test_documented_commands.py)."""
+    from muoneq.suite.benchmarks.bench_step import busy_note
+
+    assert busy_note([1.0, 2.2], 2) == ""  # within 10 % of the cores
+    assert busy_note([1.9, 9.7], 2).startswith(
+        "\nThe machine was busy: a 1-minute load of 1.9 to 9.7 on 2 cores (over 10% above")

@@ -12,6 +12,7 @@ from torch import nn
 from muoneq.suite.runtime.optim import build_optimizer_from_config
 from muoneq_tasks.vision.cifar10_data import (
     augmentation_params,
+    check_data,
     crop_flip,
     load_cifar10,
     normalize,
@@ -84,6 +85,27 @@ def test_corrupt_or_missing_data_says_where_to_put_files(tmp_path):
         assert needle in message
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_cifar10(tmp_path / "nope.npz")
+
+
+def test_the_data_check_finds_what_a_run_would_load_without_loading_it(tmp_path):
+    """A sweep's preflight (and ``--dry-run``) says that CIFAR-10 is missing, before any run:
+    from the files' names and an archive's array names."""
+    from muoneq_tasks.vision.config import Cifar10DataConfig
+
+    with pytest.raises(FileNotFoundError) as err:
+        check_data(Cifar10DataConfig(root=str(tmp_path / "empty")))
+    assert str(err.value).startswith(f"CIFAR-10 not found at task.data.root={tmp_path / 'empty'}"
+                                     " (a run with task.data.download=true downloads it first, "
+                                     "which needs the network)")
+    arrays = cifar_arrays(5, 5)
+    np.savez(tmp_path / "c.npz", **arrays)
+    check_data(Cifar10DataConfig(root=str(tmp_path / "c.npz")))
+    (tmp_path / "folder").mkdir()
+    np.savez(tmp_path / "folder" / "cifar10.npz", **arrays)
+    check_data(Cifar10DataConfig(root=str(tmp_path / "folder"), download=False))
+    np.savez(tmp_path / "bad.npz", x_train=arrays["x_train"])
+    with pytest.raises(ValueError, match=r"missing array\(s\) \['y_train', 'x_test', 'y_test'\]"):
+        check_data(Cifar10DataConfig(root=str(tmp_path / "bad.npz")))
 
 
 # ----------------------------------------------------------------------------- augmentation

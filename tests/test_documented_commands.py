@@ -80,6 +80,14 @@ def test_make_train_llama_tiny(tmp_path):
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["task"]["data"]["tokenizer"] == "gpt2"  # what `muoneq data` wrote
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 2
+    # offline, without GPT-2's BPE: the byte tokenizer
+    byte = make("train-llama-tiny", f"TEXT={text}", f"OUT={tmp_path / 'bytes'}", "TOKENIZER=byte",
+                "ARGS=trainer.max_steps=2 task.val_every_n_steps=2 task.data.val_tokens=256 "
+                f"task.data.batch_size=8 schedule.warmup_steps=1 run.dir={tmp_path / 'b'}",
+                env=clean_env(TIKTOKEN_CACHE_DIR=str(tmp_path / "no-cache")))
+    assert byte.returncode == 0, byte.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    assert config["task"]["data"]["tokenizer"] == "byte"
     missing = make("train-llama-tiny")
     assert missing.returncode == 2
     assert one_line_error(missing.stderr).startswith("muoneq: no text given; pass TEXT=")
@@ -112,7 +120,9 @@ def test_make_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(out.read_text())["quick"] is True
+    record = json.loads(out.read_text())
+    assert record["quick"] is True and record["cores"] == os.cpu_count()
+    assert len(record["load_avg"]) == 2  # the lowest and highest load while it ran
 
 
 @pytest.mark.slow
@@ -140,11 +150,14 @@ def test_make_tensorboard_reads_a_study(tmp_path):
     """``make tensorboard STUDY=…`` runs this environment's TensorBoard (not the PATH's) on the
     study's view of short run names (a folder without one: the folder); without ``STUDY``, on
     every study's view and every other folder of ``RUNS``, each once, by its name.
-    ``ARGS=--inspect`` reads the events instead of starting the server."""
+    Without ``STUDY``, the studies' HParams configs are left out, so that TensorBoard infers one
+    HParams view of every session, whose ``study`` says its study (one config of several would
+    be picked at random, with its study's columns only). ``ARGS=--inspect`` reads the events
+    instead of starting the server."""
     from torch.utils.tensorboard import SummaryWriter
 
     from muoneq.suite.sweeps import Driver
-    from tests.helpers.sweeps import options, write_sweep
+    from tests.helpers.sweeps import options, session, write_sweep
 
     runs = tmp_path / "runs"
     with SummaryWriter(str(runs / "plain" / "tensorboard")) as w:  # a `muoneq train` run
@@ -164,10 +177,13 @@ def test_make_tensorboard_reads_a_study(tmp_path):
     assert inspected(f"STUDY={runs / 'tiny'}") == sorted(
         str(view / name) for name in ("hparams", "muon_nes/seed0",
                                       "muoneq_nes/seed0"))
-    every = inspected(f"RUNS={runs}")  # under a temporary folder of links
+    # every study under a temporary folder of links, without its HParams config: TensorBoard
+    # infers one view of every study's sessions, each saying its study
+    every = inspected(f"RUNS={runs}")
     assert [os.path.relpath(p, os.path.commonpath(every)) for p in every] == [
-        "plain/tensorboard", "tiny/hparams", "tiny/muon_nes/seed0",
-        "tiny/muoneq_nes/seed0"], every
+        "plain/tensorboard", "tiny/muon_nes/seed0", "tiny/muoneq_nes/seed0"], every
+    sessions = [session(d)[1] for d in (runs / "tiny" / "trials").glob("*/seed0")]
+    assert [s["study"] for s in sessions] == ["tiny", "tiny"]
 
 
 @pytest.mark.slow
@@ -186,6 +202,22 @@ def test_make_sweep_targets_dry_run_compose_every_value(tmp_path):
     assert "written to" not in done.stdout and not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_a_sweep_target_reports_the_study_its_args_name(tmp_path):
+    """``make ksweep-gpt2 ARGS="--set study=… --runs-dir …"``: the chained report is the
+    study the sweep ran, in the folder it ran in (it looked for runs/ksweep-gpt2 and stopped
+    with make's Error 2). The trials are the objective program (no training)."""
+    from tests.helpers.sweeps import OBJECTIVE
+
+    command = f"{{python}} {OBJECTIVE} {{overrides}} seed={{seed}} run.dir={{run_dir}}"
+    done = make("ksweep-gpt2", f"ARGS=--runs-dir {tmp_path} --set study=renamed "
+                f"--set 'launch.command=\"{command}\"' --override metric=val/ppl")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "study renamed: 12/12 runs done" in done.stdout
+    assert (tmp_path / "renamed" / "report" / "report.md").read_text().startswith("# renamed\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["renamed"]
+
+
 # ------------------------------------------------------------------------ documented commands
 @dataclass
 class Doc:
@@ -200,7 +232,13 @@ class Doc:
 MAKE_TEST = "a test of this module runs this target through make"
 README_COMMANDS: dict[str, Doc] = {
     "make demo": Doc("skip", "the main job itself (~4 min on 2 cores), run by hand"),
-    "make test": Doc("skip", "this suite"),
+    "pip install .": Doc("skip", "tests/test_packaging.py builds the wheel and installs it"),
+    "make ksweep-gpt2 MINI=1": Doc("make", "tests/test_miniatures.py runs every miniature "
+                                           "through make"),
+    "make heatmap-gpt2 MINI=1 WORKERS=4": Doc("make", "tests/test_miniatures.py runs it "
+                                                      "through make (WORKERS: trials at once)"),
+    "make miniatures": Doc("skip", "every miniature in turn, minutes each; each is tested "
+                                   "through its make target in tests/test_miniatures.py"),
     "muoneq train experiment=cifar10_resnet18 optimizer=muoneq_nes optimizer.lr=5e-2 seed=1":
         Doc("run", "muoneq train: finished runs/cifar10_resnet18-muoneq_nes-seed1-",
             shorten=["<tiny cifar>"]),

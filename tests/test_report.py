@@ -151,16 +151,22 @@ def test_heatmaps_have_the_grid_axes_a_shared_scale_and_robustness(tmp_path):
     spec = HeatmapSpec(x="optimizer.lr", y="optimizer.momentum", robustness_pct=3.0)
     panels = heatmaps(runs_of(rows, "val_ppl"), spec, axes, "val_ppl", "minimize", tmp_path)
     assert [p.title for p in panels] == ["Muon-Nes | K=5", "MuonEq-Nes (R) | K=5"]
+    # one figure as the paper's Figure 8: a panel per optimizer side by side, one colour bar
+    (fig,) = {id(p.figure): p.figure for p in panels}.values()
+    assert {p.path for p in panels} == {tmp_path / "heatmaps.png"}
+    assert [ax for ax in fig.axes if ax.get_visible() and ax.images] == [p.ax for p in panels]
+    assert [p.ax.get_subplotspec().colspan.start for p in panels] == [0, 1]
+    (bar,) = [ax for ax in fig.axes if ax.get_ylabel() == "val_ppl (lower is better)"]
+    assert "lower is better" in fig.get_suptitle()
     for p in panels:
-        ax = p.figure.axes[0]
+        ax = p.ax
         assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.002", "0.005"]
         assert [t.get_text() for t in ax.get_yticklabels()] == ["0.9", "0.95"]
         assert (ax.get_xlabel(), ax.get_ylabel()) == ("lr", "momentum")
         assert ax.images[0].get_clim() == (25.0, 29.5)  # one color scale for every panel
         # one colour map whatever the direction, which the title and the colour bar say
         assert ax.images[0].get_cmap().name == "viridis"
-        assert "lower is better" in ax.get_title()
-        assert p.figure.axes[1].get_ylabel() == "val_ppl (lower is better)"
+        assert ax.get_title() == p.title
         texts = [t.get_text() for t in ax.texts]  # one number format in the figure
         assert all(len(t.split(".")[1]) == 1 for t in texts)  # 26.0 beside 26.5, not 26
         assert ("26.0" if p.title.startswith("Muon-Nes") else "25.0") in texts
@@ -172,7 +178,7 @@ def test_heatmaps_have_the_grid_axes_a_shared_scale_and_robustness(tmp_path):
             for j, lr in enumerate((1e-3, 2e-3, 5e-3)):
                 assert p.grid[i, j] == pytest.approx(ppl[name, lr, mom])
         assert imread(p.path).shape[0] > 100
-        with p.path.with_suffix(".csv").open() as fh:
+        with p.csv.open() as fh:
             assert next(csv.reader(fh)) == ["momentum \\ lr", "0.001", "0.002", "0.005"]
     # best cell 25.0; within 3%: ≤ 25.75 → MuonEq: 25.0, 25.0, 25.5, 25.5 (4/6); Muon: 26 > 25.75
     assert [p.robustness for p in panels] == [0.0, pytest.approx(4 / 6)]
@@ -237,6 +243,33 @@ def test_learning_curves_average_the_seeds_event_files(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "MuonEq-Nes (R) (lr=0.02), 2 seeds"]
     assert len(ax.collections) == 1  # the band
+    # the right panel: the last half of the steps on a scale of its own, where methods differ
+    zoom = plot.figure.axes[1]
+    assert zoom.get_xlim()[0] == 20 and zoom.get_title() == "the last 50% of the steps"
+    assert zoom.get_ylim()[0] < 10 / 3 and 15 < zoom.get_ylim()[1] < 16
+
+
+def test_a_missing_curve_says_why(tmp_path):
+    """Runs shorter than trainer.log_every_n_steps log no training scalar: the report says so,
+    with the override that fixes it; otherwise it lists what the run did log."""
+    from types import SimpleNamespace
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from muoneq.suite.report.build import _why_no_curve
+
+    run_dir = tmp_path / "run"
+    with SummaryWriter(str(run_dir / "tensorboard")) as w:
+        w.add_scalar("val/loss", 3.0, 15)
+    (run_dir / "config.yaml").write_text("trainer: {log_every_n_steps: 25}\n"
+                                         "provenance: {fingerprint: abc}\n")
+    data = SimpleNamespace(runs=[{"_run_dir": str(run_dir), "global_step": 15}])
+    assert _why_no_curve(data, "train/loss") == (
+        ": its runs ran 15 steps, and a run logs its training scalars every "
+        "trainer.log_every_n_steps=25 steps; run them with a smaller one (e.g. --override "
+        "trainer.log_every_n_steps=1)")
+    data.runs[0]["global_step"] = 40
+    assert _why_no_curve(data, "train/los") == " (the first run logged: val/loss)"
 
 
 def test_report_reads_the_study_from_storage_and_writes_every_file(tmp_path, capsys):
@@ -308,8 +341,7 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
     assert len(list((report.out_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     markdown = (report.out_dir / "report.md").read_text()
     pngs = sorted(p.name for p in report.out_dir.glob("*.png"))
-    assert pngs == ["heatmap_Muon-Nes.png", "heatmap_MuonEq-Nes.png",
-                    "optuna_contour_Muon-Nes.png", "optuna_contour_MuonEq-Nes.png",
+    assert pngs == ["heatmaps.png", "optuna_contour_Muon-Nes.png", "optuna_contour_MuonEq-Nes.png",
                     "optuna_slice_Muon-Nes.png", "optuna_slice_MuonEq-Nes.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
@@ -325,6 +357,19 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
                    for tag in logged), name
 
 
+def test_heatmap_panels_are_laid_out_as_the_paper_s_figure_8():
+    """A column per optimizer, a row per K (Figure 8: Muon-Nes and MuonEq-Nes at K = 4, 5)."""
+    from muoneq.suite.report.figures import panel_layout
+
+    keys = [("muon_nes", None, 4), ("muon_nes", None, 5), ("muoneq_nes", "R", 4),
+            ("muoneq_nes", "R", 5)]
+    axes = ["optimizer", "optimizer.mode", "optimizer.ns_steps"]
+    assert panel_layout(keys, axes) == {keys[0]: (0, 0), keys[1]: (1, 0), keys[2]: (0, 1),
+                                        keys[3]: (1, 1)}
+    assert panel_layout([(4,), (5,)], ["optimizer.ns_steps"]) == {(4,): (0, 0), (5,): (0, 1)}
+    assert panel_layout([()], []) == {(): (0, 0)}
+
+
 def test_heatmap_cells_side_by_side_print_apart(tmp_path):
     """11.06 and 11.12 next to each other: not both "11.1"."""
     values = {(0.02, 0.9): 11.06, (0.04, 0.9): 11.12, (0.02, 0.95): 12.5, (0.04, 0.95): 13.0}
@@ -332,7 +377,7 @@ def test_heatmap_cells_side_by_side_print_apart(tmp_path):
             for (lr, m), v in values.items()]
     (panel,) = heatmaps(runs_of(rows, "ppl"), HeatmapSpec(), [*AXES, "optimizer.momentum"],
                         "ppl", "minimize", tmp_path)
-    texts = sorted(t.get_text() for t in panel.figure.axes[0].texts)
+    texts = sorted(t.get_text() for t in panel.ax.texts)
     assert texts == ["11.06", "11.12", "12.50", "13.00"]
 
 
@@ -345,7 +390,7 @@ def test_rows_run_at_one_momentum_get_no_heatmap(tmp_path):
     panels = heatmaps(runs_of(rows, "ppl"), HeatmapSpec(), [*AXES, "optimizer.momentum"], "ppl",
                       "minimize", tmp_path)
     assert [p.title for p in panels] == ["Muon-Nes"]  # MuonEq-Nes (C): one momentum; AdamW: none
-    assert panels[0].figure.axes[0].images[0].get_clim() == pytest.approx((5.62, 5.94))  # its own
+    assert panels[0].ax.images[0].get_clim() == pytest.approx((5.62, 5.94))  # its own
 
 
 def test_number_format_is_one_for_the_figure():
@@ -418,3 +463,26 @@ def test_a_study_whose_runs_all_diverged_says_so(tmp_path, capsys):
         f"muoneq report: skipped study div ({study_dir}): it has 8 finished runs and every one "
         "diverged (")
 
+
+
+def test_a_search_s_table_rounds_its_values_sorts_by_the_objective_and_counts_pruned(tmp_path):
+    """A TPE study's rows are the sampler's points: labelled to three significant digits,
+    best first; the report says how many trials the pruner stopped."""
+    rows = [(opt("muoneq_nes", 0.044303752452182654, "R"), [7.6, 7.7]),
+            (opt("muoneq_nes", 0.7780155576901415, "C"), [1.9, 2.0]),
+            (opt("muoneq_nes", 0.00120392805220467, "C"), [63.0, 64.0])]
+    table = build_table(runs_of(rows, "val_ppl"), TableSpec(select=[]), AXES, "val_ppl",
+                        "minimize", [p for p, _ in rows], search=True)
+    assert [label for label, _, _ in table.rows] == [
+        "MuonEq-Nes (C) | lr=0.778", "MuonEq-Nes (R) | lr=0.0443", "MuonEq-Nes (C) | lr=0.0012"]
+    sweep = {"study": "s", "experiment": "cifar10_resnet18", "seeds": [0],
+             "search": {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1.0,
+                                                    "log": True}}},
+             "objective": {"metric": "test_acc", "direction": "maximize"}}
+    path, spec, study = stored_study(tmp_path, sweep)
+    add_trial(study, ({"optimizer.lr": 0.0123456}, "optimizer.lr=0.0123456"), 0, 0.9)
+    for i in range(2):
+        add_trial(study, ({"optimizer.lr": 0.5 + i}, f"optimizer.lr={0.5 + i}"), 0, None,
+                  state=TrialState.PRUNED, outcome="pruned")
+    report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"), tensorboard=False)
+    assert "2 trials were pruned (stopped early by Optuna's pruner" in report.markdown

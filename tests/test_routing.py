@@ -1,5 +1,7 @@
 """param_groups follows the paper's rule; build_optimizer builds each name with its preset."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -267,6 +269,7 @@ def test_overrides_for_custom_layers():
         route(model, splits={"layer.fused": [4, 4]})
 
 
+@pytest.mark.filterwarnings("ignore:param_groups. no output head found")  # a toy model
 def test_layouts_become_named_groups_the_optimizer_checks():
     model = nn.Module()
     model.a = nn.Linear(4, 4)
@@ -281,6 +284,7 @@ def test_layouts_become_named_groups_the_optimizer_checks():
     assert [g["splits"] for g in opt.param_groups] == [None, None, (4, 8), None]
 
 
+@pytest.mark.filterwarnings("ignore:param_groups. no output head found")  # a toy model
 def test_describe_prints_one_row_per_tensor_with_its_rule(capsys):
     model = TinyLM(tied=True)
     param_groups(model, summary=True, split_fused=True)
@@ -341,3 +345,30 @@ def test_no_decay_exempts_position_embeddings_and_tokens():
     exempt, = [g for g in param_groups(TinyViT(), no_decay=True) if g.get("weight_decay") == 0]
     assert len(exempt["params"]) == sum(
         r.rule in ("vector", "embedding", "not_a_map") for r in routes.values())
+
+
+def test_a_custom_position_tensor_and_head_are_warned_about_with_their_option():
+    """A learned position table ``(1, 32, 64)`` would be orthogonalized as a ``(1, 2048)``
+    "matrix", and a custom head ``net.4`` (no name param_groups knows) as a hidden layer: each
+    gets a warning naming the option that sends it to AdamW, and that option silences it."""
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(1, 32, 64))
+            self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                     nn.Linear(64, 10))
+
+    with pytest.warns(UserWarning) as caught:
+        groups = param_groups(Custom())
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 2, texts
+    assert texts[0].startswith("param_groups: pos (1, 32, 64) is on the matrix path as "
+                               "(1, 2048), with a dimension of 1")
+    assert "adamw_names=['pos']" in texts[0]
+    assert "the last linear map, net.4.weight (10, 64), is on the matrix path" in texts[1]
+    assert "adamw_names=['net.4.weight']" in texts[1]
+    assert sum(len(g["params"]) for g in groups if g["use_muon"]) == 4  # pos and net.{0,2,4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = param_groups(Custom(), adamw_names=["pos", "net.4.weight"])
+    assert sum(len(g["params"]) for g in groups if g["use_muon"]) == 2

@@ -54,6 +54,26 @@ def test_precedence_command_line_over_experiment_over_group_files():
     assert plain.optimizer.lr_adjust == "rms" and plain.optimizer.routing.value == "default"
 
 
+def test_trainer_cpu_under_a_bf16_experiment_says_so_once(capsys):
+    """``trainer=cpu`` keeps the experiment's ``bf16-mixed`` (the experiment file overrides the
+    trainer file): a note says so and how to train in float32; none when the command line sets
+    the precision, and one per cache (a sweep composing many points)."""
+    cfg = compose(["experiment=gpt2_small_fineweb", "trainer=cpu"])
+    assert cfg.trainer.precision == "bf16-mixed"
+    out = capsys.readouterr().out
+    assert ("muoneq: note: trainer.precision=bf16-mixed (from experiment gpt2_small_fineweb) on "
+            "a CPU" in out and "add trainer.precision=32-true" in out)
+    compose(["experiment=gpt2_small_fineweb", "trainer=cpu", "trainer.precision=bf16-mixed"])
+    compose(["experiment=gpt2_small_fineweb", "trainer=cpu", "trainer.precision=32-true"])
+    compose(["experiment=cifar10_resnet18", "trainer=cpu"])
+    assert "note: trainer.precision" not in capsys.readouterr().out
+    cache: dict = {}
+    for lr in (1e-3, 2e-3):
+        compose(["experiment=gpt2_small_fineweb", "trainer=cpu", f"optimizer.lr={lr}"],
+                cache=cache)
+    assert capsys.readouterr().out.count("note: trainer.precision") == 1
+
+
 def test_config_file_outside_conf(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("defaults: {task: cifar10, optimizer: adamw}\ntrainer: {max_steps: 7}\n")

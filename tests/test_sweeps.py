@@ -90,6 +90,10 @@ def test_points_are_the_union_of_blocks_with_seeds_apart(tmp_path):
      ["exactly one of 'grid'"]),
     ({"report": {"heatmaps": [{"x": "optimizer.lr", "y": "optimizer.momentum"}]}},
      ["report.heatmaps.y='optimizer.momentum' is not a search axis"]),
+    ({"grid": [], "search": {"params": {"optimizer": {"choices": ["adamw", "muon"]}}}},
+     ["search.params.optimizer (type float)", "add search.params.optimizer.type=categorical"]),
+    ({"grid": [], "search": {"params": {"optimizer.ns_steps": {
+        "type": "int", "low": 2, "high": 5.5}}}}, ["(type int) needs integer low and high"]),
     ({"seeds": [0, 0]}, ["without repeats"]),
     ({"seeds": [0, -1]}, ["seeds[1]=-1", "[0, 4294967295]"]),
     ({"seeds": [2**32]}, ["seeds[0]=4294967296", "numpy's range"]),
@@ -340,6 +344,28 @@ def test_two_drivers_share_a_study_on_postgresql(tmp_path, postgres_url):
     assert not (tmp_path / "runs" / "tiny-pg" / "optuna.journal").exists()
 
 
+def test_a_tpe_search_takes_an_int_axis(tmp_path, capsys):
+    """``type: int`` bounds stay integers (the schema reads them as floats): the search's
+    checks compose ``optimizer.ns_steps=2``, not ``2.0``, which the optimizer's Integer field
+    refuses."""
+    from muoneq.suite.sweeps.cli import main
+    from muoneq.suite.sweeps.validate import search_points
+
+    search = {"params": {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1e-1,
+                                          "log": True},
+                         "optimizer.ns_steps": {"type": "int", "low": 2, "high": 6}},
+              "n_trials": 2}
+    path = write_sweep(tmp_path / "k.yaml", grid=[], search=search, seeds=[0],
+                       experiment="cifar10_resnet18", launch={}, overrides=[],
+                       objective={"metric": "test/acc", "direction": "maximize"})
+    spec = load_sweep(path)
+    k = spec.search.params["optimizer.ns_steps"]
+    assert (k.low, k.high) == (2, 6) and type(k.low) is type(k.high) is int
+    assert [p.as_dict()["optimizer.ns_steps"] for p in search_points(spec)] == [2, 2, 6]
+    assert main([str(path), "--dry-run", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "checked: 3 training configs compose" in capsys.readouterr().out
+
+
 def test_dry_run_lists_runs_and_the_first_command(capsys):
     from muoneq.suite.sweeps.cli import main
 
@@ -353,6 +379,20 @@ def test_dry_run_lists_runs_and_the_first_command(capsys):
     assert first.endswith("/seed0 resume=auto")
     assert ("checked: 25 training configs compose and type-check as `muoneq train` (every "
             "value of every axis, once in each config shape)") in out
+
+
+def test_dry_run_says_cifar10_is_missing(tmp_path, caplog, capsys):
+    """As the language studies say their shards are missing: a line before the runs, which
+    are still listed (the machines that run the trials may hold the data)."""
+    from muoneq.suite.sweeps.cli import main
+
+    root = tmp_path / "nowhere"
+    assert main(["ablation-cifar10", "--dry-run", "--runs-dir", str(tmp_path / "runs"),
+                 "--override", f"task.data.root={root}"]) == 0
+    (line,) = [r.getMessage() for r in caplog.records if "not on this machine" in r.getMessage()]
+    assert f"CIFAR-10 not found at task.data.root={root} (a run with task.data.download=true " \
+           "downloads it first, which needs the network)" in line
+    assert "99 runs" in capsys.readouterr().out
 
 
 def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path, capsys):

@@ -565,3 +565,16 @@ def test_ctrl_c_stops_a_trial_adopted_from_a_driver_that_died(tmp_path):
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
                 driver.wait()
+
+
+def test_an_interrupted_trial_is_one_short_line():
+    """Ctrl-C on a sweep: each stopped trial's line says where it saved its step, not its run
+    folder and the ~600-character command that continues it (the sweep continues it)."""
+    run_dir = "runs/demo/trials/optimizer=muoneq_nes,optimizer.lr=0.04,optimizer.mode=RC/seed0"
+    tail = ("Epoch 0: 12/100\n"
+            f"muoneq: training of {run_dir} stopped by SIGTERM after step 12, saved as "
+            "checkpoints/last-step000000012.ckpt; continue it with: " + "x " * 300)
+    line = launch.stopped_message("interrupted", "the process exited with status 143", tail)
+    assert line == ("the sweep was interrupted; the process exited with status 143: muoneq: "
+                    "training stopped by SIGTERM after step 12, saved as "
+                    "checkpoints/last-step000000012.ckpt")

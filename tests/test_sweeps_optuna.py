@@ -267,3 +267,42 @@ def test_an_integer_axis_is_labelled_as_integers():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["4", "5"] and ax.get_ylabel() == "K"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0.01", "0.02", "0.04"]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_slice_colours_each_point_by_its_method_in_a_search_s_trial_order(tmp_path):
+    """A TPE study meets the modes out of category order (C, R, RC, R, C): Optuna draws a
+    categorical panel's dots by category, and each must keep its own method's colour; the lr
+    values of a search (arbitrary floats) get short labels that do not overlap."""
+    from muoneq.suite.report import optuna_views
+    from muoneq.suite.report.figures import Palette
+    from muoneq.suite.report.records import StudyData
+
+    spec = spec_from_dict({"study": "t", "experiment": "e", "objective": {"metric": "m"},
+                           "grid": [{"optimizer": ["muoneq_nes"], "optimizer.lr": [0.01],
+                                     "optimizer.mode": ["R", "C", "RC"]}]})
+    data = StudyData(spec, tmp_path, [])
+    modes = ["C", "R", "RC", "R", "C", "RC", "R", "C"]
+    lrs = [0.0123456789 * 1.37 ** i for i in range(len(modes))]
+    points = [optuna_views.PointMean({"optimizer": "muoneq_nes", "optimizer.lr": lr,
+                                      "optimizer.mode": mode}, 5.0 + i)
+              for i, (lr, mode) in enumerate(zip(lrs, modes, strict=True))]
+    family = optuna_views.Family("MuonEq-Nes", points, ["optimizer.lr", "optimizer.mode"], {}, 0)
+    palette = Palette()
+    plots = optuna_views._plots(data, points, ["optimizer.lr", "optimizer.mode"], [family], "m")
+    draw, group, axes, _, _ = plots["optuna_slice"]
+    fig = draw()[0].figure  # as write_views draws it
+    optuna_views._make_room(fig, "slice", len(axes))
+    optuna_views._label_axes(fig, group)
+    optuna_views._method_colours(fig, group, palette)
+    lr_ax, mode_ax = fig.axes[:2]
+    (dots,) = [c for c in mode_ax.collections if len(c.get_offsets())]
+    mean_mode = {p.mean: p.values["optimizer.mode"] for p in points}
+    for (_, y), colour in zip(dots.get_offsets(), dots.get_facecolors(), strict=True):
+        method = {"optimizer": "muoneq_nes", "optimizer.mode": mean_mode[y]}
+        assert matplotlib.colors.to_hex(colour) == palette.colour(method), mean_mode[y]
+    labels = [t.get_text() for t in lr_ax.get_xticklabels()]
+    assert len(labels) <= optuna_views.MAX_LABELS and labels[0] == "0.012"
+    assert all(len(label) <= 5 for label in labels), labels
+    fig.savefig(tmp_path / "slice.png")
+    matplotlib.pyplot.close(fig)

@@ -28,7 +28,6 @@ lr × momentum heatmap (``make heatmap-gpt2``) is not part of the demo.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -57,6 +56,8 @@ def demo_sweep(data_dir: Path) -> dict:
             "task.data.micro_batch_size=16", "task.data.val_tokens=8192",
             # 20 validations: enough points to interpolate the speedups' crossings
             "task.val_every_n_steps=5", "trainer.max_steps=100", "trainer.progress=quiet",
+            # the training loss every 5 steps too: 20 points on its curve, not the recipe's 4
+            "trainer.log_every_n_steps=5",
             # the study reads its runs' metrics: no best.ckpt, which would be written again at
             # nearly every validation (the best value is still recorded)
             "trainer.save_best=false",
@@ -80,6 +81,8 @@ def demo_sweep(data_dir: Path) -> dict:
                         "metrics": [{"key": "val/ppl", "label": "Val. perplexity"},
                                     {"key": "step_time_s", "label": "s/step", "digits": 3}],
                         "speedup": {"tag": "val/loss"}}],
+            # the one-glance answer: each method's perplexity against the lr, seeds as a band
+            "lines": [{"name": "lr", "x": "optimizer.lr", "metrics": ["val/ppl"], "logx": True}],
             "curves": {"tags": ["val/ppl", "train/loss"],
                        "select": ["optimizer.lr", "optimizer.momentum"]},
         },
@@ -87,22 +90,11 @@ def demo_sweep(data_dir: Path) -> dict:
 
 
 def prepare_text(data_dir: Path) -> None:
-    """Shards of the pydoc topics (skipped when already there; ``muoneq data`` resumes)."""
-    import pydoc_data.topics
+    """Shards of the pydoc topics (skipped when already there): the language task's data for
+    miniatures (:mod:`muoneq_tasks.language.mini`, reached through the task registry)."""
+    from muoneq.suite.runtime.tasks import get_task
 
-    from muoneq.suite.cli import main as cli
-
-    if (data_dir / "prepare.json").exists():
-        return
-    text = data_dir.parent / "pydoc_topics.jsonl"
-    text.parent.mkdir(parents=True, exist_ok=True)
-    with text.open("w") as fh:
-        for name in sorted(pydoc_data.topics.topics):
-            fh.write(json.dumps({"text": pydoc_data.topics.topics[name]}) + "\n")
-    code = cli(["data", "--source", str(text), "--out", str(data_dir), "--tokenizer", "byte",
-                "--val-tokens", "16384", "--workers", "1"])
-    if code:
-        raise SystemExit(f"muoneq data failed with status {code}")
+    get_task("language").mini_data(data_dir)
 
 
 def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:

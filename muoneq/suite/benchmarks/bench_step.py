@@ -51,6 +51,7 @@ from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, r
 from muoneq.optim import MuonEq
 from muoneq.optim.distributed import balance
 from muoneq.suite.machine import device_name
+from muoneq.suite.report.machine import BUSY_MARGIN
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
@@ -514,16 +515,31 @@ def main(argv: list[str] | None = None) -> int:
         "hparams": HPARAMS,
         "sets": {},
     }
+    loads = [os.getloadavg()[0]]
     for name in sets:
         print(f"[bench] {name} …", flush=True)
         result["sets"][name] = bench_set(MATRIX_SETS[name](args.quick), entries, device, repeats)
+        loads.append(os.getloadavg()[0])
+    result["load_avg"], result["cores"] = [min(loads), max(loads)], os.cpu_count()
     out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"device: {device_label(device)}, torch {result['torch']}, {plural(repeats, 'repeat')}")
     print(table(result))
+    print(busy_note(loads, result["cores"]), end="")
     print(f"\nwrote {out}")
     return 0
+
+
+def busy_note(loads: list[float], cores: int) -> str:
+    """A paragraph when the machine's 1-minute load exceeded its cores by more than
+    :data:`~muoneq.suite.report.machine.BUSY_MARGIN` while the bench ran (as a report's timing
+    note says it): the times are then the machine's as much as the optimizers'."""
+    if max(loads) <= cores * (1 + BUSY_MARGIN):
+        return ""
+    return (f"\nThe machine was busy: a 1-minute load of {min(loads):.1f} to {max(loads):.1f} on "
+            f"{cores} cores (over {BUSY_MARGIN:.0%} above them); the times are the machine's as "
+            "much as the optimizers': measure again on an idle machine\n")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optuna.trial import TrialState
+
 from muoneq.suite.report import machine, optuna_views, paired, speedup
 from muoneq.suite.report import plan_tables as plan_report
 from muoneq.suite.report.figures import (
@@ -92,14 +94,71 @@ def nothing_to_report(data: StudyData) -> str | None:
 
 
 def _header(data: StudyData) -> str:
-    """The study's name, description, number of runs and objective."""
+    """The study's name, description, what its runs trained, number of runs and objective."""
     spec = data.spec
+    ran = what_ran(data.runs)
     parts = [f"# {spec.study}\n", f"{spec.description}\n" if spec.description else "",
-             f"{len(data.runs)} finished runs; objective {data.objective} "
+             f"\n{ran}\n" if ran else "",
+             f"\n{len(data.runs)} finished runs; objective {data.objective} "
              f"({data.direction}).\n"]
+    pruned = sum(t.state == TrialState.PRUNED for t in data.trials)
+    if pruned:
+        parts.append(f"\n{pruned} trial{'s were' if pruned > 1 else ' was'} pruned (stopped "
+                     "early by Optuna's pruner, prune:), left out of the tables.\n")
     if data.duplicates:
         parts.append(f"\nWarning: trials {data.duplicates} repeat a finished run; ignored.\n")
     return "".join(parts)
+
+
+#: the model's settings a report names, of ``task.model`` in a run's config.yaml
+MODEL_KEYS = ("arch", "size", "blocks", "width")
+
+
+def _count(n: float) -> str:
+    """``41k``, ``2.6B``: a token count as the paper writes its budgets."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def what_ran(runs: list[dict]) -> str:
+    """One line saying what the study's runs trained, read from what they wrote (so that a
+    miniature's report says "40 steps, 41k tokens of a tiny GPT-2 in float32 on a CPU", and a
+    paper-scale one its budget): each run's steps and tokens (``metrics.json``; a range when
+    runs differ), and the first run's model, precision, device and data (``config.yaml``)."""
+    from muoneq.suite.runtime import record
+
+    if not runs:
+        return ""
+
+    def span(key: str, show) -> str | None:
+        values = sorted({r[key] for r in runs if isinstance(r.get(key), int | float)})
+        if not values:
+            return None
+        return show(values[0]) if len(values) == 1 else f"{show(values[0])}–{show(values[-1])}"
+
+    steps, tokens = span("global_step", lambda v: f"{v:,}"), span("tokens", _count)
+    budget = ", ".join(x for x in (steps and f"{steps} optimizer steps",
+                                   tokens and f"{tokens} tokens") if x)
+    try:
+        config = record.read_record(Path(runs[0]["_run_dir"])) or {}
+    except (OSError, ValueError):
+        config = {}
+    task, trainer = config.get("task") or {}, config.get("trainer") or {}
+    model = " ".join(f"{k}={v}" for k, v in (task.get("model") or {}).items()
+                     if k in MODEL_KEYS and v is not None)
+    data = task.get("data") or {}
+    where = data.get("dir") or data.get("root")
+    parts = [f"Each run: {budget}" if budget else "Each run",
+             f"of {task.get('name', 'its task')} ({model})" if model else "",
+             f"in {trainer['precision']}" if trainer.get("precision") else "",
+             f"on {runs[0]['device']}" if runs[0].get("device") else "",
+             f"(trainer.accelerator={trainer['accelerator']})" if trainer.get("accelerator")
+             else "", f"reading {where}" if where else ""]
+    if parts[1:] == [""] * (len(parts) - 1) and not budget:
+        return ""  # runs that recorded neither (no `muoneq train`)
+    return " ".join(p for p in parts if p) + "."
 
 
 def _plan_section(data: StudyData, report: Report, writer) -> str:
@@ -117,7 +176,8 @@ def _table_section(data: StudyData, tspec: TableSpec, points: list[dict], palett
                    report: Report, writer) -> str:
     """One table (Markdown, LaTeX) with its paired differences and speedups."""
     out_dir = report.out_dir
-    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points)
+    table = build_table(data.runs, tspec, data.axes, data.objective, data.direction, points,
+                        search=data.spec.kind == "tpe")
     found = paired.comparisons(table) if tspec.deltas else []
     md = (to_markdown(table) + paired.to_markdown(table, found)
           + machine.timing_note(data.runs, [m.key for m in table.metrics]))
@@ -148,15 +208,14 @@ def _heatmap_section(data: StudyData, hspec: HeatmapSpec, report: Report, writer
     metric = hspec.metric or data.objective
     direction = data.direction if metric == data.objective else "minimize"
     panels = heatmaps(data.runs, hspec, data.axes, metric, direction, out_dir, writer)
-    report.files += [p.path for p in panels]
     if not panels:
         return ""
+    report.files += [panels[0].path, *(p.csv for p in panels)]
     md = robustness_markdown(panels, hspec, metric, direction)
     (out_dir / "robustness.md").write_text(md)
     report.files += [out_dir / "robustness.md", out_dir / "robustness.png"]
     return (f"\n## Heatmaps ({hspec.x} × {hspec.y}) and robustness\n\n{md}"
-            + "".join(f"\n![{p.title}]({p.path.name})" for p in panels)
-            + "\n\n![robustness](robustness.png)\n")
+            f"\n![heatmaps]({panels[0].path.name})\n\n![robustness](robustness.png)\n")
 
 
 def _line_section(data: StudyData, lspec: LineSpec, palette: Palette, report: Report,
@@ -168,6 +227,28 @@ def _line_section(data: StudyData, lspec: LineSpec, palette: Palette, report: Re
     return f"\n## {lspec.name}\n\n![{lspec.name}]({path.name})\n"
 
 
+def _why_no_curve(data: StudyData, tag: str) -> str:
+    """Why no run logged ``tag``, read from the first run: runs shorter than
+    ``trainer.log_every_n_steps`` (no training scalar is logged before it), or the tags it did
+    log (a misspelled tag)."""
+    from muoneq.suite.runtime import record
+    from muoneq.suite.sweeps.events import ScalarReader
+
+    run = data.runs[0]
+    try:
+        config = record.read_record(Path(run["_run_dir"])) or {}
+    except (OSError, ValueError):
+        config = {}
+    every = (config.get("trainer") or {}).get("log_every_n_steps")
+    steps = run.get("global_step")
+    if isinstance(every, int) and isinstance(steps, int) and steps < every:
+        return (f": its runs ran {steps} steps, and a run logs its training scalars every "
+                f"trainer.log_every_n_steps={every} steps; run them with a smaller one (e.g. "
+                f"--override trainer.log_every_n_steps={max(1, steps // 10)})")
+    logged = ScalarReader(run["_run_dir"]).tags()
+    return f" (the first run logged: {', '.join(logged) or 'no scalar'})"
+
+
 def _curve_section(data: StudyData, palette: Palette, report: Report, writer) -> str:
     """The learning curves of every requested TensorBoard tag."""
     spec = data.spec.report.curves
@@ -176,7 +257,8 @@ def _curve_section(data: StudyData, palette: Palette, report: Report, writer) ->
     parts = []
     for tag in spec.tags:
         if tag not in curves:
-            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}.\n")
+            why = _why_no_curve(data, tag)
+            parts.append(f"\nNo run logged the TensorBoard scalar {tag!r}{why}.\n")
             continue
         path = curves[tag].path
         report.files.append(path)

@@ -146,21 +146,41 @@ class HeatmapPanel:
     x: list[Any]
     y: list[Any]
     grid: np.ndarray  #: mean over seeds, shape (len(y), len(x)); NaN where missing/diverged
-    path: Path
+    path: Path  #: the figure of every panel (``heatmaps.png``)
     figure: Figure
+    ax: Any  #: this panel's subplot of ``figure``
+    csv: Path  #: this panel's numbers
     best: float  #: this panel's best cell (NaN when none finished)
     robustness: float  #: fraction of cells within x% of the best cell of all panels
     robustness_own: float  #: fraction of cells within x% of this panel's own best cell
 
 
+#: the axes that make a method (:meth:`Palette.method`): a heatmap's column
+METHOD_AXES = ("optimizer", "optimizer.mode")
+
+
+def panel_layout(keys: Sequence[tuple], axes: Sequence[str]) -> dict[tuple, tuple[int, int]]:
+    """Each panel's (row, column) in the figure, as the paper's Figure 8 lays them out: a
+    column per method (the values of the panel ``axes`` among :data:`METHOD_AXES`; without
+    them, of the first axis), a row per value of the others (K)."""
+    by_column = [i for i, a in enumerate(axes) if a in METHOD_AXES] or [0][:len(axes)]
+    column = [tuple(k[i] for i in by_column) for k in keys]
+    row = [tuple(v for i, v in enumerate(k) if i not in by_column) for k in keys]
+    columns, rows = list(dict.fromkeys(column)), list(dict.fromkeys(row))
+    return {k: (rows.index(r), columns.index(c)) for k, c, r in zip(keys, column, row,
+                                                                     strict=True)}
+
+
 def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: str,
              direction: str, out_dir: Path, writer=None) -> list[HeatmapPanel]:
-    """One annotated heatmap of ``metric`` over ``x × y`` per value of the other axes, on one
-    shared color scale, plus two robustness numbers per panel (the paper's "broader
-    low-perplexity region" as numbers): the fraction of its grid within ``robustness_pct`` % of
-    the best cell of all panels, and within that much of its own best cell (missing or diverged
-    cells count as outside). A row run at fewer than two values of ``x`` or of ``y`` (AdamW has
-    no momentum; a mode run at one momentum) is no heatmap and gets no panel."""
+    """Annotated heatmaps of ``metric`` over ``x × y``, one panel per value of the other axes,
+    as one figure (``heatmaps.png``, the paper's Figure 8: :func:`panel_layout`) on one colour
+    scale with one colour bar, each panel's numbers in ``heatmap_<panel>.csv``; and two
+    robustness numbers per panel (the paper's "broader low-perplexity region" as numbers): the
+    fraction of its grid within ``robustness_pct`` % of the best cell of all panels, and within
+    that much of its own best cell (missing or diverged cells count as outside). A row run at
+    fewer than two values of ``x`` or of ``y`` (AdamW has no momentum; a mode run at one
+    momentum) is no heatmap and gets no panel."""
     panel_axes = [a for a in axes if a not in (spec.x, spec.y)]
     stats = {k: c for k, c in cells(runs, [*panel_axes, spec.x, spec.y], metric).items()
              if c.values[spec.x] is not None and c.values[spec.y] is not None}
@@ -187,43 +207,53 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     fmt = number_format(finite, [pair for g in panels.values() for pair in
                                  (*zip(g[:, :-1].flat, g[:, 1:].flat, strict=True),
                                   *zip(g[:-1, :].flat, g[1:, :].flat, strict=True))])
-    out = []
+    where = panel_layout(list(panels), panel_axes)
+    rows, cols = (max(v[i] for v in where.values()) + 1 for i in (0, 1))
+    fig = Figure(figsize=(cols * (0.9 * len(xs) + 1.6) + 1.4, rows * (0.6 * len(ys) + 1.4) + 0.8),
+                 layout="constrained")
+    grid_axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
+    for ax in grid_axes.flat:
+        ax.set_visible(False)  # a panel that no setting fills (K=4 of one optimizer only)
+    out, image = [], None
     for key, grid in panels.items():
         values = dict(zip(panel_axes, key, strict=True))
         title = setting_label(values)
-        fig = Figure(figsize=(1.1 * len(xs) + 2.6, 0.8 * len(ys) + 1.8), layout="constrained")
-        ax = fig.add_subplot()
+        ax = grid_axes[where[key]]
+        ax.set_visible(True)
         # one colour map for both directions (dark: low values): its meaning never flips; the
         # colour bar and the title say which way is better, the best cell is framed
         image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=vmin, vmax=vmax,
                           origin="lower", aspect="auto")
         ax.set_xticks(range(len(xs)), [_tick(v) for v in xs])
         ax.set_yticks(range(len(ys)), [_tick(v) for v in ys])
+        ax.tick_params(labelbottom=True, labelleft=True)
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(axis_name(spec.y))
-        ax.set_title(f"{title}\n{metric}, {better_note(direction)}; framed: best cell", fontsize=10)
+        ax.set_title(title, fontsize=11)
         own = grid[np.isfinite(grid)]
         own_best = _best(own, direction) if own.size else math.nan
         for (i, j), v in np.ndenumerate(grid):
             if not np.isfinite(v):
-                ax.text(j, i, "×", ha="center", va="center", fontsize=8, color="gray")
+                ax.text(j, i, "×", ha="center", va="center", fontsize=10, color="gray")
                 continue
             dark = (v - vmin) / max(vmax - vmin, 1e-12) < 0.55  # viridis is dark at the bottom
-            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8,
+            ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=10,
                     color="white" if dark else "black")
             if v == own_best:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red",
                                        linewidth=2))
-        bar = fig.colorbar(image, ax=ax, label=f"{metric} ({better_note(direction)})")
-        bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{number_format(finite)}}}"))
-        name = figure_name(title)
-        path = _save(fig, out_dir / f"heatmap_{name}.png", writer, f"heatmap/{name}")
-        _write_grid_csv(out_dir / f"heatmap_{name}.csv", spec, xs, ys, grid)
+        csv_path = out_dir / f"heatmap_{figure_name(title)}.csv"
+        _write_grid_csv(csv_path, spec, xs, ys, grid)
         out.append(HeatmapPanel(
-            title, values, xs, ys, grid, path, fig, own_best,
+            title, values, xs, ys, grid, out_dir / "heatmaps.png", fig, ax, csv_path, own_best,
             robustness=within(grid, best, spec.robustness_pct, direction),
             robustness_own=within(grid, own_best, spec.robustness_pct, direction)
             if own.size else 0.0))
+    bar = fig.colorbar(image, ax=grid_axes, label=f"{metric} ({better_note(direction)})")
+    bar.ax.yaxis.set_major_formatter(StrMethodFormatter(f"{{x:{number_format(finite)}}}"))
+    fig.suptitle(f"{metric} over {axis_name(spec.x)} × {axis_name(spec.y)}, one colour scale "
+                 f"({better_note(direction)}); framed: each panel's best cell")
+    _save(fig, out_dir / "heatmaps.png", writer, "heatmaps")
     _robustness_figure(out, spec, metric, best, out_dir, writer)
     return out
 
@@ -334,6 +364,8 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
         if spec.logx and numeric:
             ax.set_xscale("log")
         ax.set_xticks(xs if numeric else range(len(xs)), [_tick(x) for x in xs])
+        if len(xs) > 4:  # a grid grown by bracketing: neighbouring labels would touch
+            ax.tick_params(axis="x", labelrotation=35)
         ax.minorticks_off()
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(f"{m} ({better_note(direction if m == objective else 'minimize')})")
@@ -354,6 +386,33 @@ def line_plot(runs: list[dict], spec: LineSpec, axes: Sequence[str], objective: 
 
 
 # ------------------------------------------------------------------------------ learning curves
+#: the share of the steps a curve figure's right panel shows, at the end of training
+ZOOM_SHARE = 0.5
+
+
+def _zoom_on_the_end(ax, plotted: dict[str, Curve], tag: str) -> None:
+    """The last :data:`ZOOM_SHARE` of the steps on a scale of their own, where the methods
+    differ (on the whole run's scale their final values, and bands, lie on one line)."""
+    last = max(cv.steps[-1] for cv in plotted.values())
+    first = min(cv.steps[0] for cv in plotted.values())
+    start = last - ZOOM_SHARE * (last - first)
+    values = [v for cv in plotted.values() for s, lo, hi in zip(cv.steps, cv.low, cv.high,
+                                                                 strict=True)
+              if s >= start for v in (lo, hi)]
+    if last == first or not values:
+        ax.set_visible(False)
+        return
+    low, high = min(values), max(values)
+    pad = 0.05 * (high - low or abs(high) or 1.0)
+    ax.set_xlim(start, last + 0.02 * (last - first))
+    ax.set_ylim(low - pad, high + pad)
+    ax.set_title(f"the last {ZOOM_SHARE:.0%} of the steps", fontsize=10)
+    ax.set_xlabel("global step (optimizer steps)")
+    ax.set_ylabel(tag)
+    ax.grid(alpha=0.3)
+
+
+
 @dataclass
 class Curve:
     """One row's curve of a tag: the mean over seeds and the min–max band, by global step."""
@@ -398,8 +457,8 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
     palette = palette or Palette()
     out = {}
     for tag in spec.tags:
-        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-        ax = fig.add_subplot()
+        fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+        ax, zoom = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
         plotted: dict[str, Curve] = {}
         style = palette.styles()
         for key, c in chosen.items():
@@ -413,14 +472,15 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
                             if c.values[a] is not None)
             label = setting_label(dict(zip(rows, key, strict=True))) + (f" ({sel})" if sel else "")
             few = len(steps) <= FEW_POINTS  # a marker at each point; one point is no line
-            line, = ax.plot(steps, curve.mean, marker="o" if few else None,
-                            markersize=6 if len(steps) == 1 else 3,
-                            label=f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
-                            + (f", one point (step {steps[0]})" if len(steps) == 1 else ""),
-                            **style(c.values))
-            if curve.seeds > 1:
-                ax.fill_between(steps, curve.low, curve.high, color=line.get_color(), alpha=0.2,
-                                linewidth=0)
+            look = {"marker": "o" if few else None, "markersize": 6 if len(steps) == 1 else 3,
+                    **style(c.values)}
+            for target in (ax, zoom):
+                line, = target.plot(steps, curve.mean, **look, label=(
+                    f"{label}, {curve.seeds} seed" + ("s" if curve.seeds > 1 else "")
+                    + (f", one point (step {steps[0]})" if len(steps) == 1 else "")))
+                if curve.seeds > 1:
+                    target.fill_between(steps, curve.low, curve.high, color=line.get_color(),
+                                        alpha=0.15, linewidth=0)
             plotted[label] = curve
         if not plotted:
             continue
@@ -439,6 +499,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
+        _zoom_on_the_end(zoom, plotted, tag)
         name = figure_name(tag)
         path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")
         out[tag] = CurvePlot(path, fig, plotted)

@@ -17,7 +17,8 @@ what ``optuna-dashboard`` and ``study.trials_dataframe()`` read.
   top 5 would be half of it).
 
 Every numeric axis is labelled at the values run (Optuna's log axis has no label inside one
-decade, and draws K as 4.0–5.0).
+decade, and draws K as 4.0–5.0), at most :data:`MAX_LABELS` of them, with the fewest digits that
+tell them apart (a TPE search's values are arbitrary floats).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import matplotlib
 import optuna
-from matplotlib.ticker import NullLocator
+from matplotlib.ticker import FuncFormatter, NullLocator
 from optuna.distributions import (
     BaseDistribution,
     CategoricalDistribution,
@@ -51,8 +52,10 @@ from muoneq.suite.sweeps.plan import spacing
 TOP_SHARE, TOP_POINTS = 0.1, 5
 #: points below which importances are not computed: the top 5 would be half of them
 MIN_POINTS = 2 * TOP_POINTS
-#: an axis with at most this many values run is labelled at each of them
+#: an axis with at most this many values run is labelled at values run
 MAX_TICKS = 12
+#: labels on a panel's axis at most (3.4 inches wide: more would overlap)
+MAX_LABELS = 6
 
 
 @dataclass
@@ -140,13 +143,41 @@ def _label_axes(fig, points: list[PointMean]) -> None:
             if not values:
                 continue
             if _numeric(values) and len(values) <= MAX_TICKS:
-                values = sorted(values)
-                axis.set_ticks(values, [f"{v:g}" for v in values])
+                values = _thinned(sorted(values), axis.get_scale() == "log")
+                axis.set_ticks(values, _tick_labels(values))
+                axis.set_minor_locator(NullLocator())
+            elif _numeric(values):  # a search's values: a few round ticks, short labels
+                axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
                 axis.set_minor_locator(NullLocator())
             elif not _numeric(values):
                 ticks = axis.get_ticklocs()
                 axis.set_ticks(ticks, [t.get_text().strip("'") for t in axis.get_ticklabels()])
             axis.set_label_text(axis_name(label))
+
+
+def _tick_labels(values: Sequence[float]) -> list[str]:
+    """The shortest labels that tell ``values`` apart: 2, then 3 significant digits (a TPE
+    search's 0.0123456 is "0.012"), up to ``g``'s 6."""
+    for digits in (2, 3, 6):
+        labels = [f"{v:.{digits}g}" for v in values]
+        if len(set(labels)) == len(labels):
+            return labels
+    return labels
+
+
+def _thinned(values: list[float], log: bool) -> list[float]:
+    """The sorted ``values`` that are at least a :data:`MAX_LABELS`-th of the axis apart (on a
+    log axis in log space), both ends kept: labels at every value of a search's dozen, close
+    together, would overlap."""
+    place = [math.log(v) for v in values] if log and values[0] > 0 else list(values)
+    gap = (place[-1] - place[0]) / MAX_LABELS
+    keep = [0]
+    for j in range(1, len(values)):
+        if place[j] - place[keep[-1]] >= gap:
+            keep.append(j)
+    if keep[-1] != len(values) - 1:  # the last value replaces the kept one too close to it
+        keep[-1 if len(keep) > 1 else len(keep):] = [len(values) - 1]
+    return [values[j] for j in keep]
 
 
 def _make_room(fig, name: str, n_axes: int) -> None:
@@ -165,15 +196,20 @@ def _make_room(fig, name: str, n_axes: int) -> None:
 def _method_colours(fig, points: list[PointMean], palette) -> None:
     """Optuna colours a slice's points by trial number, meaningless for point means: each
     point in its method's colour instead (optimizer and mode, as in every figure of the report:
-    :class:`muoneq.suite.report.figures.Palette`), a legend of the methods, no colour bar."""
-    colours = [palette.colour(p.values) for p in points]
+    :class:`muoneq.suite.report.figures.Palette`), a legend of the methods, no colour bar.
+    A panel's dots are found by the trial numbers Optuna colours them by (trial ``i`` is
+    ``points[i]``, :func:`point_study`): a categorical panel draws them in category order, not
+    in trial order."""
     for ax in list(fig.axes):
         if ax.get_ylabel() == "Trial":
             ax.remove()
             continue
         for dots in ax.collections:
+            numbers = dots.get_array()
+            if numbers is None:  # Optuna's (empty) infeasible trials
+                continue
             dots.set_array(None)
-            dots.set_facecolor(colours)
+            dots.set_facecolor([palette.colour(points[int(n)].values) for n in numbers])
     methods = {palette.method(p.values): palette.colour(p.values) for p in points}
     if len(methods) > 1:
         from matplotlib.lines import Line2D

@@ -33,8 +33,9 @@ def axis_name(axis: str) -> str:
     return AXIS_NAMES.get(axis, axis)
 
 
-def setting_label(values: dict[str, Any]) -> str:
-    """A human label: ``MuonEq-Nes (R)``, ``Muon-Nes | K=5``."""
+def setting_label(values: dict[str, Any], digits: int | None = None) -> str:
+    """A human label: ``MuonEq-Nes (R)``, ``Muon-Nes | K=5``; floats to ``digits`` significant
+    digits when given (a search's ``lr=0.0443``, not ``lr=0.044303752452182654``)."""
     parts = []
     opt = values.get("optimizer")
     if opt is not None:
@@ -44,7 +45,9 @@ def setting_label(values: dict[str, Any]) -> str:
     for axis, value in values.items():
         if (axis in ("optimizer", "optimizer.mode") and opt is not None) or value is None:
             continue
-        parts.append(f"{axis_name(axis)}={format_value(value)}")
+        shown = (f"{value:.{digits}g}" if digits is not None and isinstance(value, float)
+                 else format_value(value))
+        parts.append(f"{axis_name(axis)}={shown}")
     return " | ".join(parts) or "all runs"
 
 
@@ -132,9 +135,15 @@ class Table:
     notes: list[str]
 
 
+#: significant digits of a searched value in a row's label
+SEARCH_DIGITS = 3
+
+
 def build_table(runs: list[dict], spec: TableSpec, axes: Sequence[str], objective: str,
-                direction: str, points_order: Sequence[dict]) -> Table:
-    """Select each row's best setting per column group and collect its statistics."""
+                direction: str, points_order: Sequence[dict], search: bool = False) -> Table:
+    """Select each row's best setting per column group and collect its statistics. With
+    ``search`` (a TPE study: every row is a point the sampler chose), rows are labelled to
+    :data:`SEARCH_DIGITS` significant digits and sorted best first."""
     metrics = spec.metrics or [MetricColumn(key=objective)]
     directions = [m.direction or (direction if m.key == objective else "minimize")
                   for m in metrics]
@@ -167,11 +176,22 @@ def build_table(runs: list[dict], spec: TableSpec, axes: Sequence[str], objectiv
             entries[group] = TableEntry({m.key: stats[m.key].get(key) for m in metrics},
                                         selected)
             notes.extend(_edge_notes(row_values, group, selected, candidates, spec.select))
-        rows.append((setting_label(row_values), row_values, entries))
+        rows.append((setting_label(row_values, SEARCH_DIGITS if search else None), row_values,
+                     entries))
+    if search:
+        rows.sort(key=lambda row: _rank(row[2][groups[0]].cells.get(metrics[0].key),
+                                        directions[0]))
     _mark_best(rows, groups, metrics, directions)
     if spec.deltas:
         _deltas(rows, groups, metrics[0].key)
     return Table(spec.name, metrics, directions, list(spec.select), groups, rows, notes)
+
+
+def _rank(cell: Cell | None, direction: str) -> float:
+    """A row's place, best first: its mean, negated when higher is better; no value last."""
+    if cell is None or cell.mean is None:
+        return math.inf
+    return cell.mean if direction == "minimize" else -cell.mean
 
 
 def _edge_notes(row_values, group, selected, candidates, select_axes) -> list[str]:

@@ -53,7 +53,11 @@ class TaskSpec:
 
     Optional: ``synthetic_data(cfg, folder)`` writes random inputs in the task's data format
     into ``folder``, as many as the run ``cfg`` reads, and returns the overrides that point the
-    run at them (for throughput checks such as ``muoneq gpu-check``, never for results); and
+    run at them (for throughput checks such as ``muoneq gpu-check``, never for results);
+    ``mini_data(folder)`` writes a small *real* data set available offline (one that ships with
+    Python or a declared dependency) in the task's format into ``folder``, unless it is already
+    there, and returns the overrides that point a run at it and one line naming it (for the
+    sweeps' miniatures, :mod:`muoneq.suite.sweeps.miniature`, and ``make demo``); and
     ``commands``, the ``muoneq`` commands the task brings, by name.
 
     ``lean_imports``: the task's runs use none of the packages torchmetrics imports only for
@@ -69,10 +73,20 @@ class TaskSpec:
     commands: dict[str, TaskCommand] = field(default_factory=dict)
     check_data: Callable[[Any], None] | None = None
     lean_imports: bool = False
+    mini_data: Callable[[Path], MiniData] | None = None
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.config):
             raise TypeError(f"TaskSpec.config must be a dataclass, got {self.config!r}")
+
+
+@dataclass(frozen=True)
+class MiniData:
+    """What a task's ``mini_data`` prepared: the overrides that point a run at it, and one line
+    naming it (a miniature's report says what it ran on)."""
+
+    overrides: list[str]
+    description: str
 
 
 #: Tasks loaded or registered so far in this process.

@@ -14,6 +14,7 @@ from muoneq.suite.cli import program
 from muoneq.suite.errors import Interrupted
 from muoneq.suite.folders import suite_folder
 from muoneq.suite.runtime.metrics import METRICS_FILE
+from muoneq.suite.sweeps import miniature
 from muoneq.suite.sweeps.driver import Driver, DriverOptions
 from muoneq.suite.sweeps.eta import study_estimate
 from muoneq.suite.sweeps.launch import describe_start, trial_command, warm_module
@@ -55,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(part of the study's identity; repeatable)")
     p.add_argument("--poll", type=float, default=5.0,
                    help="seconds between looks for work while other workers hold the last runs")
+    p.add_argument("--mini", action="store_true",
+                   help="the study in miniature, <study>-mini: its sweep file's mini: section "
+                        "(a tiny model on a CPU, local data prepared first, fewer values on the "
+                        "same axes; docs/reproduce.md)")
+    p.add_argument("--report", action="store_true",
+                   help="once every run is done, write the study's report (muoneq report on "
+                        "the study this command ran, whatever its --set, --mini or --runs-dir; "
+                        "the make targets pass it)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true",
                       help="list the runs and the first command, run nothing")
@@ -66,7 +75,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    spec = load_sweep(args.sweep, args.sets)
+    spec = load_sweep(args.sweep, args.sets, mini=args.mini)
+    if args.mini:
+        miniature.prepare(spec, args.runs_dir / spec.study)
     spec.overrides = list(spec.overrides) + list(args.train_overrides)
     devices = args.devices.split(",") if args.devices else None
     options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
@@ -99,8 +110,15 @@ def main(argv: list[str]) -> int:
         print(f"stopped by {signal.Signals(s.stopped_by).name}; continue with: {again}")
     elif s.pending:
         print(f"continue with: {again}")
+    report = ["report", str(driver.study_dir)]
+    if args.report and s.exit_code == 0 and not s.pending:
+        # through the command line, as a user would: the report reads the sweeps, which never
+        # import the report
+        from muoneq.suite.cli import main as command
+
+        return command([*report, *(["--storage", args.storage] if args.storage else [])])
     if s.done:
-        print(f"report: {program()} report {shlex.quote(str(driver.study_dir))}"
+        print(f"report: {program()} {shlex.join(report)}"
               + (f" --storage {where}" if args.storage else ""))
     return s.exit_code
 

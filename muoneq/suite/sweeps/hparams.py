@@ -18,7 +18,10 @@ scatter plots) over the swept axes, with the study's own metrics.
   momentum=0.95``: its seeds are one row, TensorBoard shows their mean), and the final
   value of each declared metric from its ``metrics.json`` as a scalar at the run's last global
   step. An integer axis (K) is declared as text, so that TensorBoard shows ``5``, not the
-  ``5.0000`` it prints for every number.
+  ``5.0000`` it prints for every number. A session also holds its study's name, undeclared
+  (:data:`STUDY_HPARAM`): TensorBoard shows one experiment config per view, so a view of
+  several studies leaves theirs out and shows the hyper-parameters of every session, the
+  study among them.
 
 The training process writes no session of its own while a sweep runs it (the driver sets
 :data:`muoneq.suite.runtime.metrics.HPARAMS_ENV`), so each run is one row. The HParams protocol
@@ -47,6 +50,10 @@ from muoneq.suite.sweeps.tensorboard_view import label
 
 #: settings shown beside the axes, read from a run's config.yaml: the optimizer and its mode
 EXTRA = ("optimizer", "optimizer.mode")
+#: every session's study, undeclared: a study's own view leaves it out, and a view of several
+#: studies without their experiment configs (``make tensorboard`` without ``STUDY``), which
+#: TensorBoard infers from the sessions, shows it as a column
+STUDY_HPARAM = "study"
 
 
 def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> summary_pb2.Summary:
@@ -178,7 +185,7 @@ def write_session(spec: SweepSpec, point: Point, run_dir: Path, metrics: Mapping
                   diverged: bool = False) -> None:
     """One finished run's session (module docstring), beside its curves in
     ``<run dir>/tensorboard/``."""
-    hparams = run_settings(spec, point, run_dir)
+    hparams = {**run_settings(spec, point, run_dir), STUDY_HPARAM: spec.study}
     start = plugin_data_pb2.SessionStartInfo(group_name=group_name(spec, point),
                                              start_time_secs=time.time())
     values = axis_values(spec)

@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -236,10 +237,14 @@ STOPPED_BY = {"interrupted": "the sweep was interrupted", "pruned": "Optuna's pr
 
 
 def stopped_message(reason: str, how: str, tail: str) -> str:
-    """One line on a process the driver stopped: why, how it ended (``how``), and its own
-    last ``muoneq:`` line (where it saved its step), if any; ``trial.log`` holds the rest."""
+    """One short line on a process the driver stopped: why, how it ended (``how``), and its
+    own last ``muoneq:`` line (where it saved its step), if any, without its run folder and the
+    command that continues it (~600 characters: the sweep continues it, and the driver prints
+    its own command once); ``trial.log`` holds the rest."""
     said = [line for line in tail.splitlines() if line.startswith("muoneq: ")]
-    return f"{STOPPED_BY[reason]}; {how}" + (f": {said[-1]}" if said else "")
+    own = re.sub(r"^(muoneq: training) of \S+", r"\1", said[-1]).split("; continue it")[0] \
+        if said else ""
+    return f"{STOPPED_BY[reason]}; {how}" + (f": {own}" if own else "")
 
 
 def exit_words(proc) -> str:

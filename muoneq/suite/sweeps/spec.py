@@ -136,6 +136,25 @@ class Bracket:
 
 
 @dataclass
+class Mini:
+    """The study in miniature (``muoneq sweep NAME --mini``, ``make NAME MINI=1``): the same
+    objective, search axes and report, as the study ``<study>-mini``, on a laptop's CPU in
+    minutes (:mod:`muoneq.suite.sweeps.miniature`). Each field given replaces the sweep's."""
+
+    experiment: str | None = None  #: the tiny model's experiment (a grid axis: in ``grid``)
+    overrides: list[str] = field(default_factory=list)  #: replace the sweep's fixed overrides
+    seeds: list[int] | None = None
+    grid: list[dict[str, Any]] = field(default_factory=list)  #: the sweep's axes, fewer values
+    #: bracketing adds at most this many values per family and axis (its bound in miniature)
+    max_extensions: int = 1
+    shows: str = ""  #: what the miniature shows, one sentence (its report's description)
+
+
+#: the suffix of a miniature's study name
+MINI_SUFFIX = "-mini"
+
+
+@dataclass
 class SweepSpec:
     study: str = MISSING  #: study name (also the folder under the runs directory)
     description: str = ""
@@ -150,6 +169,7 @@ class SweepSpec:
     retry: Retry = field(default_factory=Retry)
     prune: Prune = field(default_factory=Prune)
     report: ReportSpec = field(default_factory=ReportSpec)
+    mini: Mini | None = None  #: the study in miniature (``--mini``)
 
     # ------------------------------------------------------------------------- derived views
     @property
@@ -263,9 +283,10 @@ def sweep_path(target: str | Path) -> Path:
     return shipped
 
 
-def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
-    """Read a sweep file (a path, or the name of a shipped one: :func:`sweep_path`), apply
-    ``dotlist`` overrides (``seeds=[0]``), validate, return it."""
+def load_sweep(path: str | Path, dotlist: Sequence[str] = (), mini: bool = False) -> SweepSpec:
+    """Read a sweep file (a path, or the name of a shipped one: :func:`sweep_path`), take its
+    miniature with ``mini`` (:func:`miniature`), apply ``dotlist`` overrides (``seeds=[0]``),
+    validate, return it."""
     path = sweep_path(path)
     try:
         raw = OmegaConf.load(path)
@@ -293,6 +314,11 @@ def load_sweep(path: str | Path, dotlist: Sequence[str] = ()) -> SweepSpec:
         merged = OmegaConf.merge(OmegaConf.structured(SweepSpec), raw)
     except OmegaConfBaseException as err:
         raise schema_error(err, str(path)) from None
+    if mini:
+        spec = OmegaConf.to_object(merged)
+        validate(spec, source=str(path))  # the sweep as written, its mini: section included
+        merged = OmegaConf.merge(OmegaConf.structured(SweepSpec),
+                                 spec_to_dict(miniature(spec, str(path))))
     for item in dotlist:
         merged = _set(merged, item, path)
     try:
@@ -333,6 +359,27 @@ def spec_from_dict(data: dict, source: str = "<dict>") -> SweepSpec:
         raise schema_error(err, source) from None
     validate(spec, source=source)
     return spec
+
+
+def miniature(spec: SweepSpec, source: str) -> SweepSpec:
+    """The sweep's study in miniature (:class:`Mini`): ``<study>-mini``, with the fields its
+    ``mini:`` section gives, bracketing bounded by ``mini.max_extensions``, a description that
+    says it is a miniature and what it shows, and no ``mini:`` section of its own."""
+    m = spec.mini
+    if m is None:
+        raise SweepError(f"{source}: no 'mini:' section, so no miniature of study {spec.study}; "
+                         "the sweeps muoneq ships each have one (docs/sweeps.md)")
+    data = spec_to_dict(spec)
+    data.update(study=f"{spec.study}{MINI_SUFFIX}", mini=None,
+                description=f"Miniature of {spec.study} ({spec.description}). {m.shows}".strip(),
+                experiment=m.experiment or spec.experiment, overrides=list(m.overrides),
+                seeds=list(m.seeds or spec.seeds), grid=data["mini"]["grid"] or data["grid"])
+    if spec.bracket is not None:
+        data["bracket"]["max_extensions"] = min(spec.bracket.max_extensions, m.max_extensions)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), data))
+    except OmegaConfBaseException as err:
+        raise schema_error(err, f"{source} (its mini: section)") from None
 
 
 #: options of ``muoneq sweep`` that are no field of the sweep file (``--set workers=3``)
@@ -379,6 +426,8 @@ def validate(spec: SweepSpec, source: str = "<sweep>") -> None:
         _check_bracket(spec, source)
     _check_experiment(spec, source)
     _check_execution(spec, source)
+    if spec.mini is not None:
+        _check_mini(spec, source)
     try:
         check_report(spec.report, spec.axes())
     except ValueError as err:
@@ -410,6 +459,25 @@ def _check_study(spec: SweepSpec, source: str) -> None:
     for i, word in enumerate(spec.overrides):
         if "=" not in word or word.startswith("="):
             raise SweepError(f"{source}: overrides[{i}]={word!r} is not of the form key=value")
+
+
+def _check_mini(spec: SweepSpec, source: str) -> None:
+    """A miniature keeps the study's search axes (its grid, their values fewer) and bounds its
+    bracketing; the miniature itself is checked as any sweep (:func:`miniature`)."""
+    m = spec.mini
+    if m.max_extensions < 1:
+        raise SweepError(f"{source}: mini.max_extensions must be ≥ 1 (got {m.max_extensions})")
+    if m.grid:
+        if not spec.is_grid:
+            raise SweepError(f"{source}: mini.grid is for a sweep with a grid; a search's "
+                             "miniature keeps its search.params")
+        _check_grid(m.grid, f"{source} mini")
+        axes = list(dict.fromkeys(a for block in m.grid for a in block))
+        if sorted(axes) != sorted(spec.axes()):
+            raise SweepError(f"{source}: mini.grid's axes ({', '.join(axes)}) must be the "
+                             f"sweep's ({', '.join(spec.axes())}): a miniature keeps the study's "
+                             "shape, with fewer values")
+    validate(miniature(spec, source), f"{source} (its mini: section)")
 
 
 def _check_grid(grid: list[dict[str, Any]], source: str) -> None:
@@ -513,10 +581,23 @@ def _check_tpe_axis(p: SearchParam, where: str, source: str) -> None:
     if p.type == "categorical":
         if not p.choices:
             raise SweepError(f"{source}: {where}.choices must be a non-empty list")
-    elif p.low is None or p.high is None or not p.low < p.high:
+    elif p.low is None or p.high is None:
+        advice = (f"; choices make a categorical axis: add {where}.type=categorical"
+                  if p.choices else f"; give {where}.low and .high")
+        raise SweepError(f"{source}: {where} (type {p.type}) needs low < high (got {p.low}, "
+                         f"{p.high}){advice}")
+    elif not p.low < p.high:
         raise SweepError(f"{source}: {where} needs low < high (got {p.low}, {p.high})")
     elif p.log and p.low <= 0:
         raise SweepError(f"{source}: {where}: log scale needs low > 0")
+    elif p.choices:
+        raise SweepError(f"{source}: {where}: choices are for type categorical, and low/high "
+                         f"for float and int (type {p.type}); give one or the other")
+    if p.type == "int":  # the schema reads low/high as floats (2 -> 2.0): back to integers
+        if not (float(p.low).is_integer() and float(p.high).is_integer()):
+            raise SweepError(f"{source}: {where} (type int) needs integer low and high (got "
+                             f"{p.low}, {p.high})")
+        p.low, p.high = int(p.low), int(p.high)
 
 
 def _check_values(values: Any, where: str, source: str) -> None:

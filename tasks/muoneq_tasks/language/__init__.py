@@ -56,11 +56,18 @@ def synthetic_data(cfg, folder):
     return write_synthetic(cfg, folder)
 
 
+def mini_data(folder):
+    """Python's pydoc topics as byte shards: :func:`.mini.mini_data`."""
+    from muoneq_tasks.language.mini import mini_data
+
+    return mini_data(folder)
+
+
 TASK = TaskSpec(
     LanguageTaskConfig, build, "GPT-2 / LLaMA-2 pretraining on token shards: validation "
     "perplexity", metrics, synthetic_data, check_data=check_data,
     commands={"data": TaskCommand(
         "muoneq_tasks.language.prepare",
         "tokenize a corpus (FineWeb, C4, local files) into token shards")},
-    lean_imports=True,
+    lean_imports=True, mini_data=mini_data,
 )

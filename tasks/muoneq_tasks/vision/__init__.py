@@ -28,5 +28,20 @@ def synthetic_data(cfg, folder):
     return write_synthetic(cfg, folder)
 
 
+def check_data(cfg) -> None:
+    """Where the run will find its images: :func:`.cifar10_data.check_data`."""
+    from muoneq_tasks.vision.cifar10_data import check_data
+
+    check_data(cfg.task.data)
+
+
+def mini_data(folder):
+    """scikit-learn's handwritten digits in CIFAR-10's format: :func:`.digits.mini_data`."""
+    from muoneq_tasks.vision.digits import mini_data
+
+    return mini_data(folder)
+
+
 TASK = TaskSpec(Cifar10TaskConfig, build, "ResNet-18 (CIFAR variant) on CIFAR-10: top-1 accuracy",
-                metrics, synthetic_data, lean_imports=True)
+                metrics, synthetic_data, check_data=check_data, lean_imports=True,
+                mini_data=mini_data)

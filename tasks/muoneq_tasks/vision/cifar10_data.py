@@ -2,7 +2,9 @@
 
 Sources, tried in this order for ``task.data.root``:
 
-1. a ``.npz`` file with arrays ``x_train`` (N, 32, 32, 3) or (N, 3, 32, 32) uint8, ``y_train``
+1. a ``.npz`` file with arrays ``x_train`` (N, 32, 32, 3) or (N, 3, 32, 32) uint8 (CIFAR-10's
+   size; images of another square size are read as they are: the miniature's 8×8 digits,
+   :mod:`.digits`), ``y_train``
    (N,) integer labels in 0..9, ``x_test``, ``y_test`` — the form many groups keep CIFAR in;
 2. a folder with torchvision's layout, ``<root>/cifar-10-batches-py/`` (``data_batch_1`` …
    ``data_batch_5``, ``test_batch``, ``batches.meta``, md5-checked by torchvision);
@@ -77,10 +79,11 @@ def _bad(path: Path, text: str) -> Cifar10FormatError:
 def _images(array: np.ndarray, key: str, path: Path) -> torch.Tensor:
     if array.dtype != np.uint8 or array.ndim != 4:
         raise _bad(path, f"{key} must be uint8 images, got {array.dtype} {array.shape}")
-    if array.shape[1:] == (32, 32, 3):
+    if array.shape[3] == 3 and array.shape[1] == array.shape[2]:
         array = array.transpose(0, 3, 1, 2)
-    elif array.shape[1:] != (3, 32, 32):
-        raise _bad(path, f"{key} must be (N,32,32,3) or (N,3,32,32), got {array.shape}")
+    elif not (array.shape[1] == 3 and array.shape[2] == array.shape[3]):
+        raise _bad(path, f"{key} must be (N,32,32,3) or (N,3,32,32) (CIFAR-10's; another square "
+                         f"size is read too), got {array.shape}")
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
@@ -158,6 +161,28 @@ def load_cifar10(root: str | Path, *, download: bool = False) -> Cifar10Arrays:
     if download:
         return load_torchvision(root, download=True)
     raise DataError(missing_data_message(root))
+
+
+def check_data(config: Cifar10DataConfig) -> None:
+    """What a run of ``config`` would say about its data before its first step, from the
+    files' names and an archive's array names (nothing is loaded or downloaded): a
+    :class:`DataError` when no source of the module docstring holds CIFAR-10 (with
+    ``task.data.download=true`` the run would download it, so the message says that this needs
+    the network), a :class:`Cifar10FormatError` for an archive without CIFAR-10's arrays."""
+    root = Path(config.root).expanduser()
+    archive = root if root.suffix == ".npz" else root / "cifar10.npz"
+    if archive.is_file() and not (root / "cifar-10-batches-py").is_dir():
+        with np.load(archive, allow_pickle=False) as found:
+            missing = [k for k in NPZ_KEYS if k not in found.files]
+        if missing:
+            raise _bad(archive, f"missing array(s) {missing} (found {found.files})")
+        return
+    if not needs_download(root) and root.suffix != ".npz":
+        return
+    reason = ("no such file" if root.suffix == ".npz" else
+              "a run with task.data.download=true downloads it first, which needs the network"
+              if config.download else "")
+    raise DataError(missing_data_message(root, reason))
 
 
 def needs_download(root: str | Path) -> bool:
