@@ -14,12 +14,13 @@
 # The image has Python 3.12, torch, torchvision, lightning, torchmetrics, tensorboard, tiktoken,
 # tokenizers, matplotlib, triton, numpy, PyYAML, tqdm, MarkupSafe, pytest, hypothesis, pyarrow,
 # setuptools and wheel; of the project's needs it lacks omegaconf and optuna with optuna's
-# alembic, SQLAlchemy, Mako and colorlog. (`datasets` is left out: only `muoneq data`'s Hub
+# alembic, SQLAlchemy, Mako and colorlog, and the bench extra's peers: heavyball (with
+# opt-einsum) and muon-optimizer. (`datasets` is left out: only `muoneq data`'s Hub
 # sources use it, the machine reaches no network, and the GPU tests tokenize a local file.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MISSING=(omegaconf optuna alembic sqlalchemy mako colorlog)
+MISSING=(omegaconf optuna alembic sqlalchemy mako colorlog heavyball opt-einsum muon-optimizer)
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/site}

@@ -112,7 +112,11 @@ def test_make_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(out.read_text())["quick"] is True
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["missing_peers"] == []
+    # the public Muon implementations of the bench extra, beside ours
+    rows = result["sets"]["gpt2_small"]["contenders"]
+    assert {"heavyball Muon", "muon-optimizer SingleDeviceMuon", "MuonEq-R"} <= set(rows)
 
 
 @pytest.mark.slow

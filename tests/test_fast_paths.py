@@ -196,9 +196,10 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     from muoneq.suite.benchmarks.bench_step import main
 
     out = tmp_path / "bench.json"
-    assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--peers", "without",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["device"] and result["quick"]
+    assert result["device"] and result["quick"] and result["peers"] == {}
     data = result["sets"]["gpt2_small"]
     names = set(data["contenders"])
     # the default ns_dtype="auto" (float32 on this CPU, or bf16 where it multiplies bf16
