@@ -12,42 +12,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 from muoneq.suite.runtime import compose, record, train
-from tests.helpers.gpu import GPU_NS_DTYPE, ns5_errors
+from tests.helpers import gpu
+from tests.helpers.gpu import GPU_NS_DTYPE, TrainsOnFakeCuda, ns5_errors
 from tests.helpers.runtime import tiny_language
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
-class TrainsOnFakeCuda(L.Callback):
-    """Makes the module say it is on ``cuda:0`` from fit start until training starts (when the
-    runtime's callbacks, which run before this one, capture the device), then puts it back: the
-    tensors stay on the CPU. After training, Lightning's teardown calls ``module.cpu()``, as it
-    does on a GPU."""
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        pl_module._device = torch.device("cuda", 0)
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        assert pl_module.device.type == "cuda"  # what the callbacks before this one saw
-        pl_module._device = torch.device("cpu")
-
-
 @pytest.fixture
 def stub_cuda(monkeypatch):
-    """torch.cuda's functions the runtime calls for a CUDA device, as on one H200 that used
-    3 GiB at its peak."""
+    """torch.cuda's functions the runtime calls for a CUDA device (:func:`gpu.stub_cuda`)."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device=None: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3.0 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu.stub_cuda(monkeypatch, calls)
     return calls
 
 
@@ -56,7 +37,7 @@ def test_final_metrics_of_a_cuda_run_read_the_device_it_trained_on(tmp_path, stu
                    "trainer.max_steps=3", "schedule.total_steps=3", f"run.dir={tmp_path / 'run'}"])
     metrics = train(cfg, callbacks=[TrainsOnFakeCuda()])
     written = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert written["status"] == "finished" and "reset" in stub_cuda and "sync" in stub_cuda
+    assert written["status"] == "finished" and "reset" in stub_cuda
     assert written["peak_memory_kind"] == "device_allocated"
     assert written["peak_memory_gb"] == 3.0
     # MFU against the H200's dense bf16 datasheet peak, 989.4 TFLOP/s
