@@ -42,7 +42,7 @@ def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for start in range(0, inner, BLOCK_K):
-        kk = start + rk
+        kk = (start + rk).to(tl.int64)  # 64-bit: kk·stride stays exact past 2³¹
         left = tl.load(L + ri[:, None] * l_r + kk[None, :] * l_c,
                        mask=(ri[:, None] < rows) & (kk[None, :] < inner), other=0.0)
         right = tl.load(R + kk[:, None] * r_r + rj[None, :] * r_c,
@@ -61,7 +61,9 @@ def _symmetric_kernel(L, Out, rows, inner, l_b, l_r, l_c, r_r, r_c, o_b, o_r, o_
     ``(i, j)`` and ``(j, i)``: ``Out = L·Lᵀ`` (the Gram matrix; ``Lᵀ`` is ``L`` read with its
     strides ``(r_r, r_c)`` swapped), or with ``POLYNOMIAL`` ``Out = b·L + c·L·L`` for a symmetric
     ``L`` (the polynomial of a Newton–Schulz step)."""
-    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # 64-bit indices: every offset (k·batch stride, row·row stride) stays exact past 2³¹
+    i, j, k = (tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+               tl.program_id(2).to(tl.int64))
     if j > i:
         return
     ri = i * BLOCK + tl.arange(0, BLOCK)
@@ -102,7 +104,9 @@ def _apply_kernel(Y, B, Z, rows, cols, y_b, y_r, y_c, b_b, b_r, b_c, z_b, z_r, z
                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATED: tl.constexpr,
                   PRECISION: tl.constexpr):
     """``Z[k] = a·Y[k] + B[k]·Y[k]`` (``Y``, ``Z``: ``rows × cols``; ``B``: ``rows × rows``)."""
-    i, j, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # 64-bit indices: every offset (k·batch stride, row·row stride) stays exact past 2³¹
+    i, j, k = (tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+               tl.program_id(2).to(tl.int64))
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
     Y += k * y_b

@@ -109,3 +109,39 @@ def test_the_gpu_tests_language_data_needs_no_datasets(tmp_path, monkeypatch):
     overrides = tiny_language(tmp_path)
     assert f"task.data.dir={tmp_path / 'shards'}" in overrides
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.bin"))[-1] == "data_val_000000.bin"
+
+
+# ------------------------------------------------------------------ the Triton kernels' checks
+#: the kernel checks of ``test_gpu.py``, run here by Triton's interpreter (``conftest.py`` turns
+#: it on where there is no GPU; on a GPU machine ``test_gpu.py`` runs them compiled)
+interpreted = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="a GPU is here: test_gpu.py runs the compiled kernels")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", gpu.KERNEL_STACKS, ids=str)
+def test_a_newton_schulz_step_on_the_kernels_is_torchs_within_rounding(shape, dtype):
+    assert gpu.triton_step_units(shape, dtype, "cpu") <= gpu.STEP_UNITS[dtype]
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", gpu.KERNEL_STACKS[:2], ids=str)
+def test_bf16_ns5_on_the_kernels_meets_the_accuracy_rule(shape):
+    errors = gpu.triton_ns5_errors(shape, "cpu")
+    assert errors["triton"] <= 1.5 * errors["torch"], errors
+
+
+@pytest.mark.slow
+def test_the_kernels_address_a_stack_past_2_31_elements():
+    """Offsets past 2³¹ elements (a program's index times a stride) are 64-bit in the kernels:
+    with 32-bit ones the third matrix of :func:`gpu.far_apart_stack_units` is read at a
+    negative offset (in the interpreter, a segmentation fault; on a GPU, an illegal address).
+    Run in a process of its own, with the interpreter, so that such a fault is reported."""
+    code = ("from tests.helpers.gpu import far_apart_stack_distance; "
+            "print(far_apart_stack_distance('cpu'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert float(done.stdout.strip().splitlines()[-1]) <= gpu.NS5_AGREEMENT
