@@ -266,12 +266,14 @@ README_COMMANDS: dict[str, Doc] = {
     "make tensorboard STUDY=runs/heatmap-gpt2": Doc("make", MAKE_TEST),
     "make gpu-check": Doc("make", "tests/test_gpu_check.py runs it through make, QUICK=1"),
     "make gpu-wheels": Doc("skip", "downloads wheels from the package registry"),
-    "bash benchmarks/gpu_machine.sh check":
+    "MUONEQ_GIT_COMMIT=<hash> bash benchmarks/gpu_machine.sh check":
         Doc("skip", "for a GPU machine; tests/test_gpu_check.py runs it with a stand-in wheel"),
     "make bench": Doc("skip", "minutes on a CPU (QUICK=1 runs the same code through make)"),
     "make bench-trial": Doc("make", "tests/test_trial_cost.py runs it through make, QUICK=1"),
     "muoneq bench --sets gpt2_small": Doc("skip", "minutes on a CPU (the smoke run of the same "
                                                   "code is tested through make)"),
+    "muoneq bench --peers only": Doc("skip", "minutes on a CPU (tests/test_bench_peers.py runs "
+                                             "it on the quick set)"),
 }
 
 

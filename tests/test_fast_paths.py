@@ -225,3 +225,8 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert bounded["workspace_limit_mb"] == pytest.approx(2 * torch_row["peak_extra_mb"])
     assert 0 < bounded["workspace_mb"] <= bounded["workspace_limit_mb"]
     assert f"| MuonEq-R | {auto} |" in capsys.readouterr().out
+    # the table as Markdown beside the JSON, headed by what ran where (commit, load)
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith(f"# muoneq bench on {result['device_label']}\n\n{result['date']}, "
+                         f"muoneq at {result['git_commit'][:10]}")
+    assert "1-minute load average" in md and f"| MuonEq-R | {auto} |" in md

@@ -65,7 +65,8 @@ from muoneq.newton_schulz import (
 from muoneq.optim import MuonEq
 from muoneq.optim.executors import balance
 from muoneq.suite.benchmarks import peers
-from muoneq.suite.machine import device_name
+from muoneq.suite.machine import device_name, load_average
+from muoneq.suite.runtime.record import git_commit, git_dirty
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
@@ -595,9 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {line}", flush=True)
     result = {
         "device": device_name(device),
+        "device_label": device_label(device),
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "git_dirty": git_dirty(),
+        "cores": os.cpu_count(), "load_avg_start": load_average(),
         "command": "muoneq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "repeats": repeats,
         "quick": args.quick,
@@ -609,13 +613,28 @@ def main(argv: list[str] | None = None) -> int:
     for name in sets:
         print(f"[bench] {name} …", flush=True)
         result["sets"][name] = bench_set(MATRIX_SETS[name](args.quick), entries, device, repeats)
+    result["load_avg_end"] = load_average()
     out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"device: {device_label(device)}, torch {result['torch']}, {plural(repeats, 'repeat')}")
+    out.with_suffix(".md").write_text(f"{heading(result)}\n\n{table(result)}\n")
+    print(heading(result))
     print(table(result))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def heading(result: dict) -> str:
+    """What ran where: the device, torch, the date, the commit, the command and the machine's
+    load (a load above the cores means other work shared them)."""
+    commit = (result["git_commit"] or "unknown")[:10] + (" (dirty)" if result["git_dirty"]
+                                                         else "")
+    loads = ", ".join("—" if v is None else f"{v:.2f}"
+                      for v in (result["load_avg_start"], result["load_avg_end"]))
+    return (f"# muoneq bench on {result['device_label']}\n\n{result['date']}, muoneq at "
+            f"{commit}, torch {result['torch']}, {plural(result['repeats'], 'repeat')}, "
+            f"`{result['command']}`; 1-minute load average {loads} at the start and the end "
+            f"({plural(result['cores'], 'core')}).")
 
 
 if __name__ == "__main__":
