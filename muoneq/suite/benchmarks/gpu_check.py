@@ -955,12 +955,13 @@ def run_part(part: str, check: Check) -> dict:
 
 
 #: Each part's limit in seconds on a full run, each part in a process of its own
-#: (``--part-timeout auto``), 570 s in all, so that the whole check fits 10 minutes of a lent
-#: GPU: 1.5–5× what the parts took on one H200 at commit 43ad865 (tests 18 s, bench 33 s, GPT-2
-#: 48 s, ResNet 10 s, FSDP2 41 s), whose tests and bench rows have grown since; the LLaMA part
-#: as GPT-2's, the peers (compiled per shape by heavyball) as the bench.
-PART_LIMITS = {"tests": 150, "bench": 90, "peers": 90, "gpt2": 75, "llama130m": 75,
-               "resnet": 30, "fsdp2": 60}
+#: (``--part-timeout auto``), 580 s in all, so that the whole check fits 10 minutes of a lent
+#: GPU: 1.3–10× what the parts took on one H200 at commit 43ad865 (tests 18 s, bench 33 s,
+#: GPT-2 48 s, ResNet 10 s, FSDP2 41 s), whose tests (Triton kernels compiled per shape,
+#: ``compile=True``, two warm trials) and bench rows have grown since; the LLaMA part as
+#: GPT-2's, the peers (compiled per shape by heavyball) as the bench.
+PART_LIMITS = {"tests": 180, "bench": 90, "peers": 90, "gpt2": 70, "llama130m": 70,
+               "resnet": 25, "fsdp2": 55}
 
 
 def part_limits(setting: str, quick: bool) -> dict[str, float] | None:
