@@ -1,6 +1,7 @@
 """The public Muon implementations of ``muoneq bench`` (``muoneq[bench]``): each peer's step is
-what its row claims, checked against an SVD of the same momentum; they run beside our rows in
-one process; a peer that is not installed gets one line."""
+what its row claims, checked against an SVD of the same momentum; a peer that is not installed
+gets one line. Their rows in a run beside ours: ``test_make_bench_quick``
+(``tests/test_documented_commands.py``), and the gpu-check's peers part."""
 
 import json
 import math
@@ -77,31 +78,6 @@ def test_a_peer_steps_its_newton_schulz_of_its_momentum(peer):
             # the comparison tells schedules apart: the other schedule is far off
             wrong = svd_reference(U, other)
             assert ((update - wrong).norm() / wrong.norm()).item() > 3 * BF16_NS
-
-
-@pytest.mark.slow
-def test_bench_runs_the_peers_beside_torch_in_one_process(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert bench_step.main(["--quick", "--sets", "gpt2_small", "--repeats", "2", "--peers",
-                            "only", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    rows = result["sets"]["gpt2_small"]["contenders"]
-    names = [peer.name for peer in peers.PEERS]
-    assert list(rows) == [*bench_step.PEERS_ONLY_KEEP, *names]
-    assert result["missing_peers"] == []
-    assert set(result["peers"]) == set(names)
-    for name in names:
-        row = rows[name]
-        distribution = result["peers"][name].split()[0]
-        assert distribution in ("heavyball", "muon-optimizer")
-        assert row["ns_dtype"] == "bfloat16" and row["ms"] > 0 and len(row["times_ms"]) == 2
-        # against a float64 run of its own schedule: bf16's rounding, no more
-        assert 0 < row["err_gaussian"] < BF16_NS and 0 < row["err_decay"] < 0.2
-        # one momentum buffer per matrix, as torch's (heavyball: and an 8-byte step count)
-        assert 0 <= row["state_bytes"] - rows["torch.optim.Muon"]["state_bytes"] <= 8
-    text = capsys.readouterr().out
-    assert "Peers (public Muon implementations" in text
-    assert f"| {names[0]} | bfloat16 |" in text
 
 
 def test_a_peer_not_installed_gets_one_line(tmp_path, monkeypatch, capsys):

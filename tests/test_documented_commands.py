@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import optuna
@@ -114,9 +115,20 @@ def test_make_bench_quick(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["missing_peers"] == []
-    # the public Muon implementations of the bench extra, beside ours
+    # the public Muon implementations of the bench extra, beside ours, in one process
     rows = result["sets"]["gpt2_small"]["contenders"]
-    assert {"heavyball Muon", "muon-optimizer SingleDeviceMuon", "MuonEq-R"} <= set(rows)
+    peers = ["heavyball Muon", "muon-optimizer SingleDeviceMuon"]
+    assert list(rows)[-2:] == peers and {"torch.optim.Muon", "MuonEq-R"} <= set(rows)
+    assert sorted(result["peers"].values()) == sorted(
+        f"{d} {version(d)}" for d in ("heavyball", "muon-optimizer"))
+    for name in peers:
+        row = rows[name]
+        assert row["ns_dtype"] == "bfloat16" and row["ms"] > 0
+        # against a float64 run of its own schedule: bf16's rounding, no more
+        assert 0 < row["err_gaussian"] < 4e-2 and 0 < row["err_decay"] < 0.2
+        # one momentum buffer per matrix, as torch's (heavyball: and an 8-byte step count)
+        assert 0 <= row["state_bytes"] - rows["torch.optim.Muon"]["state_bytes"] <= 8
+    assert f"| {peers[0]} | bfloat16 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
