@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[suite,dev,postgres]'
+	$(PY) -m pip install -q -e '.[suite,dev,postgres,bench]'
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv and install the package with the suite, dev and postgres extras
+install: $(STAMP) ## create .venv and install the package with the suite, dev, postgres and bench extras
 
 # Test processes (pytest-xdist): CI's 2 cores; TEST_WORKERS=auto takes every core, 0 runs in this one
 TEST_WORKERS ?= 2
@@ -59,7 +59,7 @@ train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=f
 figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
 
-bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
+bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon and the public Muons -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
 	$(PY) -m muoneq bench $(if $(QUICK),--quick) $(ARGS)
 
 bench-trial: $(STAMP) ## what a trial pays besides its steps (a demo trial, a six-trial study beside `import torch`), the loop overhead -> benchmarks/results/trial_cpu.{json,md} (QUICK=1: smoke run; OUT=)

@@ -68,7 +68,7 @@ def _tile_product(L, l_r, l_c, R, r_r, r_c, ri, rj, rows, cols, inner, BLOCK: tl
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for start in range(0, inner, BLOCK_K):
-        kk = start + rk
+        kk = (start + rk).to(tl.int64)  # 64-bit: kk·stride stays exact past 2³¹
         left = tl.load(L + ri[:, None] * l_r + kk[None, :] * l_c,
                        mask=(ri[:, None] < rows) & (kk[None, :] < inner), other=0.0)
         right = tl.load(R + kk[:, None] * r_r + rj[None, :] * r_c,
@@ -85,8 +85,9 @@ def _symmetric_kernel(L, Out, rows, inner, l_b, l_r, l_c, r_r, r_c, o_b, o_r, o_
     ``(i, j)`` and ``(j, i)``: ``Out = L·Lᵀ`` (the Gram matrix; ``Lᵀ`` is ``L`` read with its
     strides ``(r_r, r_c)`` swapped), or with ``POLYNOMIAL`` ``Out = b·L + c·L·L`` for a symmetric
     ``L`` (the polynomial of a Newton–Schulz step)."""
-    i, j = tl.program_id(0), tl.program_id(1)
-    k = tl.program_id(2).to(tl.int64)  # the matrix's offset in the stack: 64-bit
+    # 64-bit indices: every offset (k·batch stride, row·row stride) stays exact past 2³¹
+    i, j, k = (tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+               tl.program_id(2).to(tl.int64))
     if j > i:
         return
     ri = i * BLOCK + tl.arange(0, BLOCK)
@@ -114,8 +115,9 @@ def _store_symmetric(T, tile, ri, rj, rows, t_r, t_c):
 def _apply_kernel(Y, B, Z, rows, cols, y_b, y_r, y_c, b_b, b_r, b_c, z_b, z_r, z_c, coef_a,
                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """``Z[k] = a·Y[k] + B[k]·Y[k]`` (``Y``, ``Z``: ``rows × cols``; ``B``: ``rows × rows``)."""
-    i, j = tl.program_id(0), tl.program_id(1)
-    k = tl.program_id(2).to(tl.int64)  # the matrix's offset in the stack: 64-bit
+    # 64-bit indices: every offset (k·batch stride, row·row stride) stays exact past 2³¹
+    i, j, k = (tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64),
+               tl.program_id(2).to(tl.int64))
     ri = i * BLOCK + tl.arange(0, BLOCK)
     rj = j * BLOCK + tl.arange(0, BLOCK)
     Y += k * y_b

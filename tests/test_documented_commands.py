@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import optuna
@@ -120,9 +121,24 @@ def test_make_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     done = make("bench", "QUICK=1", f"ARGS=--sets gpt2_small --repeats 1 --out {out}")
     assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(out.read_text())
-    assert record["quick"] is True and record["cores"] == os.cpu_count()
-    assert len(record["load_avg"]) == 2  # the lowest and highest load while it ran
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["missing_peers"] == []
+    assert result["cores"] == os.cpu_count()
+    assert len(result["load_avg"]) == 2  # the lowest and highest load while it ran
+    # the public Muon implementations of the bench extra, beside ours, in one process
+    rows = result["sets"]["gpt2_small"]["contenders"]
+    peers = ["heavyball Muon", "muon-optimizer SingleDeviceMuon"]
+    assert list(rows)[-2:] == peers and {"torch.optim.Muon", "MuonEq-R"} <= set(rows)
+    assert sorted(result["peers"].values()) == sorted(
+        f"{d} {version(d)}" for d in ("heavyball", "muon-optimizer"))
+    for name in peers:
+        row = rows[name]
+        assert row["ns_dtype"] == "bfloat16" and row["ms"] > 0
+        # against a float64 run of its own schedule: bf16's rounding, no more
+        assert 0 < row["err_gaussian"] < 4e-2 and 0 < row["err_decay"] < 0.2
+        # one momentum buffer per matrix, as torch's (heavyball: and an 8-byte step count)
+        assert 0 <= row["state_bytes"] - rows["torch.optim.Muon"]["state_bytes"] <= 8
+    assert f"| {peers[0]} | bfloat16 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
@@ -300,12 +316,14 @@ README_COMMANDS: dict[str, Doc] = {
     "make tensorboard STUDY=runs/heatmap-gpt2": Doc("make", MAKE_TEST),
     "make gpu-check": Doc("make", "tests/test_gpu_check.py runs it through make, QUICK=1"),
     "make gpu-wheels": Doc("skip", "downloads wheels from the package registry"),
-    "bash benchmarks/gpu_machine.sh check":
+    "MUONEQ_GIT_COMMIT=<hash> bash benchmarks/gpu_machine.sh check":
         Doc("skip", "for a GPU machine; tests/test_gpu_check.py runs it with a stand-in wheel"),
     "make bench": Doc("skip", "minutes on a CPU (QUICK=1 runs the same code through make)"),
     "make bench-trial": Doc("make", "tests/test_trial_cost.py runs it through make, QUICK=1"),
     "muoneq bench --sets gpt2_small": Doc("skip", "minutes on a CPU (the smoke run of the same "
                                                   "code is tested through make)"),
+    "muoneq bench --peers only": Doc("skip", "minutes on a CPU (tests/test_bench_peers.py runs "
+                                             "it on the quick set)"),
 }
 
 

@@ -185,9 +185,10 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     from muoneq.suite.benchmarks.bench_step import main
 
     out = tmp_path / "bench.json"
-    assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["--quick", "--sets", "gpt2_small", "--repeats", "1", "--peers", "without",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["device"] and result["quick"]
+    assert result["device"] and result["quick"] and result["peers"] == {}
     data = result["sets"]["gpt2_small"]
     names = set(data["contenders"])
     # the default ns_dtype="auto" (float32 on this CPU, or bf16 where it multiplies bf16
@@ -214,3 +215,8 @@ def test_benchmark_smoke_run_writes_the_table(tmp_path, capsys):
     assert 0 < workspace["over_torch"] <= 2
     assert workspace["default_mb"] == data["contenders"]["MuonEq-R (stacked)"]["workspace_mb"]
     assert f"| MuonEq-R | {auto} |" in capsys.readouterr().out
+    # the table as Markdown beside the JSON, headed by what ran where (commit, load)
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith(f"# muoneq bench on {result['device_label']}\n\n{result['date']}, "
+                         f"muoneq at {result['git_commit'][:10]}")
+    assert "1-minute load average" in md and f"| MuonEq-R | {auto} |" in md

@@ -40,8 +40,8 @@ def test_make_gpu_check_quick_on_cpu_runs_every_part(tmp_path):
     assert record["device"] == device_name(CPU) and record["device_type"] == "cpu"
     assert record["quick"] and record["git_commit"]
     assert {name: p["status"] for name, p in parts.items()} == {
-        "tests": "skipped", "bench": "ok", "gpt2": "ok", "llama130m": "ok", "resnet": "ok",
-        "fsdp2": "ok"}
+        "tests": "skipped", "bench": "ok", "peers": "ok", "gpt2": "ok", "llama130m": "ok",
+        "resnet": "ok", "fsdp2": "ok"}
 
     # 1: every gpu test was collected and skipped for want of CUDA
     assert parts["tests"]["skipped"] > 0 and parts["tests"]["passed"] == 0
@@ -51,6 +51,18 @@ def test_make_gpu_check_quick_on_cpu_runs_every_part(tmp_path):
     assert bench["ns_gflop"] == pytest.approx(0.14680064, rel=1e-12)
     assert record["muoneq_r_over_torch_muon_gpt2_small"] == bench["contenders"]["MuonEq-R"][
         "vs_torch"] > 0
+    assert parts["bench"]["result"]["peers"] == {}  # the peers have their own part
+    assert parts["bench"]["auto"] == {"reason": "auto is torch off a CUDA GPU with Triton (no "
+                                      "timing)", "sets": {}}
+    # 2b: the public Muon implementations beside torch.optim.Muon, our Muon and MuonEq-R
+    peers = parts["peers"]["result"]
+    rows = peers["sets"]["gpt2_small"]["contenders"]
+    assert list(rows) == ["torch.optim.Muon", "Muon (ours)", "MuonEq-R", "heavyball Muon",
+                          "muon-optimizer SingleDeviceMuon"] and peers["missing_peers"] == []
+    fastest = record["fastest_peer_gpt2_small"]
+    assert record["fastest_peer_over_torch_muon_gpt2_small"] == rows[fastest]["vs_torch"]
+    assert record["muoneq_r_over_fastest_peer_gpt2_small"] == pytest.approx(
+        rows["MuonEq-R"]["ms"] / rows[fastest]["ms"])  # one repeat: its ratio
     # 3, 4: GPT-2 and LLaMA: MFU against the float32 matmul rate measured on this CPU, the
     # optimizer's share of the step from the timed optimizer steps
     for part, key, arch in (("gpt2", "gpt2_small", "gpt2"), ("llama130m", "llama2_130m", "llama")):
@@ -150,6 +162,9 @@ def test_gpu_machine_script_without_wheels_says_what_to_do(tmp_path):
 @pytest.mark.parametrize("argv, field", [
     (["--device", "cpu"], "only --quick runs"), (["--device", "tpu", "--quick"], "--device"),
     (["--device", "cpu", "--quick", "--parts", "bench,gp2"], "--parts: unknown ['gp2']"),
+    (["--device", "cpu", "--quick", "--part-timeout", "0"],
+     "--part-timeout: expected seconds > 0, auto or none, got '0'"),
+    (["--device", "cpu", "--quick", "--part-timeout", "ten"], "got 'ten'"),
 ])
 def test_bad_arguments_are_refused_with_one_line(argv, field, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -335,9 +350,10 @@ def test_a_part_that_hangs_is_stopped_at_its_limit_and_the_next_part_runs(tmp_pa
     real = gpu_check.part_command
     assert real("bench", CPU, True, tmp_path) == [
         sys.executable, "-m", "muoneq", "gpu-check", "--device", "cpu", "--quick", "--parts",
-        "bench", "--out", str(tmp_path)]
+        "bench", "--part-timeout", "none", "--out", str(tmp_path)]
     args, device, parts = gpu_check.parse(real("bench", CPU, True, tmp_path)[4:])
     assert (device, parts, args.quick, args.out) == (CPU, ["bench"], True, str(tmp_path))
+    assert gpu_check.part_limits(args.part_timeout, args.quick) is None  # in its own process
 
     def command(part, device, quick, out):
         if part == "gpt2":  # hangs, and so does the process it starts
@@ -362,3 +378,66 @@ def test_a_part_that_hangs_is_stopped_at_its_limit_and_the_next_part_runs(tmp_pa
     assert not alive(int(pid_file.read_text()))
     summary = (tmp_path / "out" / f"{record['device_slug']}-quick.md").read_text()
     assert "| gpt2 | timed out: stopped at its limit of 2 s (--part-timeout) |" in summary
+
+
+def test_a_full_run_limits_every_part_within_ten_minutes():
+    limits = gpu_check.part_limits("auto", quick=False)
+    assert limits == gpu_check.PART_LIMITS and set(limits) == set(gpu_check.PARTS)
+    assert sum(limits.values()) <= 600
+    assert gpu_check.part_limits("auto", quick=True) is None  # the CPU smoke run: in process
+    assert gpu_check.part_limits("none", quick=False) is None
+    assert gpu_check.part_limits("30", quick=True) == dict.fromkeys(gpu_check.PARTS, 30.0)
+
+
+def test_gpu_machine_script_refuses_a_copy_that_would_name_no_commit(tmp_path):
+    """A copy without its own ``.git`` (what a lent machine gets) must be told its commit."""
+    (tmp_path / "benchmarks").mkdir()
+    script = tmp_path / "benchmarks" / "gpu_machine.sh"
+    script.write_text((REPO / "benchmarks" / "gpu_machine.sh").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "MUONEQ_GIT_COMMIT"}
+    done = subprocess.run(["bash", str(script), "check"], text=True, capture_output=True,
+                          timeout=60, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpu_machine.sh: this copy is no git checkout of its own, so the results would name no "
+        "commit; run it as MUONEQ_GIT_COMMIT=<git rev-parse HEAD where it was copied from> "
+        "bash benchmarks/gpu_machine.sh check"]
+    # with the commit named, it goes on (to the wheels it lacks here)
+    done = subprocess.run(["bash", str(script), "check"], text=True, capture_output=True,
+                          timeout=60, env={**env, "MUONEQ_GIT_COMMIT": "43ad865"})
+    assert done.returncode == 2 and "no wheels in .whl/" in done.stderr
+
+
+def test_auto_choices_are_recorded_with_both_backends_timed():
+    """What ``ns_backend="auto"`` chose per shape, and the timing of both backends, here with
+    the kernels in Triton's interpreter standing in for the GPU's."""
+    pytest.importorskip("triton")
+    from muoneq import ns_triton
+
+    if not ns_triton._interpreted():
+        pytest.skip("the Triton kernels run on CPU only in Triton's interpreter")
+    bench = {"quick": True, "sets": {"gpt2_block": {"contenders": {gpu_check.AUTO_ROW: {
+        "ns_backends": {"64x64": "torch", "192x64": "triton"}}}}}}
+    check = gpu_check.Check(CPU, True, Path("unused"))
+    choices = gpu_check.backend_choices(bench, check)["gpt2_block"]
+    assert [(key, c["chose"], c["matrices"]) for key, c in choices.items()] == [
+        ("64x64", "torch", 1), ("192x64", "triton", 1)]
+    for c in choices.values():
+        assert c["torch_ms"] > 0 and c["triton_ms"] > 0 and c["distance"] < 2e-2
+    lines = gpu_check.auto_lines({"reason": "why", "sets": {"gpt2_block": choices}})
+    assert lines[1] == '`ns_backend="auto"`: why.'
+    assert lines[-1].startswith("| gpt2_block | 192x64 | 1 | triton | ")
+
+
+def test_the_fastest_peer_and_our_step_over_it_by_repeat():
+    def row(vs_torch, times):
+        return {"vs_torch": vs_torch, "times_ms": times}
+
+    rows = {"torch.optim.Muon": row(1.0, [10, 10, 10]), "Muon (ours)": row(0.5, [5, 5, 5]),
+            "MuonEq-R": row(0.5, [5, 6, 4]), "heavyball Muon": row(0.8, [8, 8, 8]),
+            "muon-optimizer SingleDeviceMuon": row(1.4, [14, 14, 14])}
+    part = {"result": {"sets": {"gpt2_small": {"contenders": rows}}}}
+    assert gpu_check.peer_figures(part) == {
+        "fastest_peer_gpt2_small": "heavyball Muon",
+        "fastest_peer_over_torch_muon_gpt2_small": 0.8,
+        "muoneq_r_over_fastest_peer_gpt2_small": 0.625}  # the median of 5/8, 6/8, 4/8

@@ -12,43 +12,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 from muoneq.suite import code_version
 from muoneq.suite.runtime import compose, train
-from tests.helpers.gpu import GPU_NS_DTYPE, ns5_errors
+from tests.helpers import gpu
+from tests.helpers.gpu import GPU_NS_DTYPE, TrainsOnFakeCuda, ns5_errors
 from tests.helpers.runtime import tiny_language
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
-class TrainsOnFakeCuda(L.Callback):
-    """Makes the module say it is on ``cuda:0`` from fit start until training starts (when the
-    runtime's callbacks, which run before this one, capture the device), then puts it back: the
-    tensors stay on the CPU. After training, Lightning's teardown calls ``module.cpu()``, as it
-    does on a GPU."""
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        pl_module._device = torch.device("cuda", 0)
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        assert pl_module.device.type == "cuda"  # what the callbacks before this one saw
-        pl_module._device = torch.device("cpu")
-
-
 @pytest.fixture
 def stub_cuda(monkeypatch):
-    """torch.cuda's functions the runtime calls for a CUDA device, as on one H200 that used
-    3 GiB at its peak."""
+    """torch.cuda's functions the runtime calls for a CUDA device (:func:`gpu.stub_cuda`)."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device=None: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3.0 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu.stub_cuda(monkeypatch, calls)
     return calls
 
 
@@ -57,7 +38,7 @@ def test_final_metrics_of_a_cuda_run_read_the_device_it_trained_on(tmp_path, stu
                    "trainer.max_steps=3", "schedule.total_steps=3", f"run.dir={tmp_path / 'run'}"])
     metrics = train(cfg, callbacks=[TrainsOnFakeCuda()])
     written = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert written["status"] == "finished" and "reset" in stub_cuda and "sync" in stub_cuda
+    assert written["status"] == "finished" and "reset" in stub_cuda
     assert written["peak_memory_kind"] == "device_allocated"
     assert written["peak_memory_gb"] == 3.0
     # MFU against the H200's dense bf16 datasheet peak, 989.4 TFLOP/s
@@ -129,3 +110,32 @@ def test_the_gpu_tests_language_data_needs_no_datasets(tmp_path, monkeypatch):
     overrides = tiny_language(tmp_path)
     assert f"task.data.dir={tmp_path / 'shards'}" in overrides
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.bin"))[-1] == "data_val_000000.bin"
+
+
+# ------------------------------------------------------------------ the Triton kernels' checks
+#: the kernel checks of ``test_gpu.py``, run here by Triton's interpreter (``conftest.py`` turns
+#: it on where there is no GPU; on a GPU machine ``test_gpu.py`` runs them compiled; the
+#: accuracy rule's check runs here in ``test_ns_backends.py``)
+interpreted = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="a GPU is here: test_gpu.py runs the compiled kernels")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", gpu.KERNEL_STACKS, ids=str)
+def test_a_newton_schulz_step_on_the_kernels_is_torchs_within_rounding(shape, dtype):
+    assert gpu.triton_step_units(shape, dtype, "cpu") <= gpu.STEP_UNITS[dtype]
+
+
+@pytest.mark.slow
+def test_the_kernels_address_a_stack_past_2_31_elements():
+    """Offsets past 2³¹ elements (a program's index times a stride) are 64-bit in the kernels:
+    with 32-bit ones the third matrix of :func:`gpu.far_apart_stack_units` is read at a
+    negative offset (in the interpreter, a segmentation fault; on a GPU, an illegal address).
+    Run in a process of its own, with the interpreter, so that such a fault is reported."""
+    code = ("from tests.helpers.gpu import far_apart_stack_distance; "
+            "print(far_apart_stack_distance('cpu'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert float(done.stdout.strip().splitlines()[-1]) <= gpu.NS5_AGREEMENT

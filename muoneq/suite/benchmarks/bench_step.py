@@ -16,9 +16,15 @@ load from other processes hits all of them alike. Reported per contender:
   torch.optim.Muon's peak extra memory measured in the same process (``workspace``);
 * ``state_bytes``: persistent optimizer state (Muon keeps one buffer per matrix);
 * ``err_gauss``/``err_decay``: relative Frobenius distance between the contender's direction
-  and a float64 NS5 of the same (equilibrated) input, worst over the set's shapes, for a
-  Gaussian input and one whose singular values decay from 1 to 1e-3; ``x_torch_*``: the
-  same figure over ``torch.optim.Muon``'s, worst over shapes (the accuracy rule: ≤ 1.5).
+  and a float64 NS5 of the same (equilibrated) input — for a peer, a float64 run of the
+  Newton–Schulz schedule it runs — worst over the set's shapes, for a Gaussian input and one
+  whose singular values decay from 1 to 1e-3; ``x_torch_*``: the same figure over
+  ``torch.optim.Muon``'s, worst over shapes (the accuracy rule: ≤ 1.5).
+
+Beside ``torch.optim.Muon`` and this project's rows run the *peers*, the public Muon
+implementations installed here (:mod:`muoneq.suite.benchmarks.peers`: heavyball's and the
+``muon-optimizer`` package's; ``--peers`` with, without or only them); a peer that is not
+installed gets one line saying so, printed and kept in the JSON (``missing_peers``).
 
 The table is printed as Markdown and written as JSON with the device name (and, on a CPU,
 torch's thread count). ``--quick`` runs miniature sets: its timings are smoke values (CI checks
@@ -40,17 +46,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from muoneq.functional import diag_pre, lr_scale, matrix_shape
-from muoneq.newton_schulz import QUINTIC, dtype_name, newton_schulz, ns_flops, resolve_dtype
+from muoneq.newton_schulz import (
+    QUINTIC,
+    Coefficients,
+    dtype_name,
+    newton_schulz,
+    ns_flops,
+    resolve_dtype,
+)
 from muoneq.optim import MuonEq
 from muoneq.optim.distributed import balance
-from muoneq.suite.machine import device_name
+from muoneq.suite import code_version
+from muoneq.suite.benchmarks import peers
+from muoneq.suite.machine import device_name, load_average
 from muoneq.suite.report.machine import BUSY_MARGIN
 
 NS_STEPS = 5
@@ -146,6 +162,32 @@ class Contender:
     mode: str  # the DiagPre mode its direction applies (accuracy reference)
     ns_dtype: str  # the dtype its Newton–Schulz runs in on the benchmark's device
     flat: bool = False  # needs 2-D parameters (torch.optim.Muon rejects conv filters)
+    #: the Newton–Schulz schedule its direction is compared with, run in float64
+    coefficients: Coefficients = "quintic"
+    #: the factor its step multiplies the orthogonalized direction of an m×n matrix by
+    scale: Callable[[tuple[int, int]], float] = field(
+        default=partial(lr_scale, lr_adjust="rms"))
+    #: its step changes or clears ``p.grad``: it gets a copy of the gradients before every step
+    fresh_grads: bool = False
+
+
+#: ``--peers``: the peers beside every row ("with"), no peers ("without"), or the peers beside
+#: torch.optim.Muon, our Muon and MuonEq-R only ("only")
+PEER_CHOICES = ("with", "without", "only")
+#: the rows kept beside the peers with ``--peers only``
+PEERS_ONLY_KEEP = ("torch.optim.Muon", "Muon (ours)", "MuonEq-R")
+
+
+def peer_contenders() -> tuple[list[Contender], dict[str, str], list[str]]:
+    """The installed peers as contenders, their packages (name → ``distribution version``),
+    and one line for each peer that is not installed."""
+    found, missing = peers.installed()
+    rows = [Contender(peer.name, partial(peer.build, optimizer_class), "none", "bfloat16",
+                      flat=peer.flat, coefficients=peer.coefficients, scale=peer.scale,
+                      fresh_grads=True)
+            for peer, _, optimizer_class in found]
+    packages = {peer.name: f"{peer.distribution} {version}" for peer, version, _ in found}
+    return rows, packages, missing
 
 
 def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
@@ -153,7 +195,8 @@ def contenders(device: torch.device, compile_ns: bool) -> list[Contender]:
     per-matrix path, the CPU default), MuonEq's modes and paths at the default
     ``ns_dtype="auto"`` (bf16 on accelerators and on CPUs with native bf16 products, float32 on
     other CPUs), MuonEq-R in the other dtype, on a GPU also on this project's Triton kernels and
-    with ``ns_backend="auto"``, and the authors' loop (bf16)."""
+    with ``ns_backend="auto"``, and the authors' loop (bf16). The peers are added apart
+    (:func:`peer_contenders`)."""
     auto = dtype_name(resolve_dtype("auto", device))
     other_dtype = "bfloat16" if auto == "float32" else "float32"
 
@@ -252,8 +295,14 @@ def operations(fn: Callable[[], None], device: torch.device) -> tuple[int, str]:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for state in opt.state.values()
-               for v in state.values() if isinstance(v, Tensor))
+    """Bytes of the tensors in the optimizer's state (nested dicts too: heavyball keeps a
+    parameter's state under an index)."""
+    def size(value) -> int:
+        if isinstance(value, Tensor):
+            return value.numel() * value.element_size()
+        return sum(map(size, value.values())) if isinstance(value, dict) else 0
+
+    return sum(size(state) for state in opt.state.values())
 
 
 def accuracy_input(shape: tuple[int, int], kind: str, gen: torch.Generator) -> Tensor:
@@ -280,7 +329,7 @@ def direction_of(contender: Contender, shape: tuple[int, ...], G: Tensor, device
     opt = contender.build([p], {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0})
     opt.step()
     m, n = G.shape
-    return (-p.detach().reshape(m, n).double() / lr_scale((m, n), "rms")).cpu()
+    return (-p.detach().reshape(m, n).double() / contender.scale((m, n))).cpu()
 
 
 def accuracy(entries: list[Contender], shapes, device) -> dict[str, dict[str, float]]:
@@ -294,10 +343,11 @@ def accuracy(entries: list[Contender], shapes, device) -> dict[str, dict[str, fl
             refs = {}
             errors = {}
             for c in entries:
-                if c.mode not in refs:
-                    refs[c.mode] = newton_schulz(diag_pre(G.double(), c.mode, 1e-8), NS_STEPS,
-                                                 "quintic", torch.float64)
-                ref = refs[c.mode]
+                key = (c.mode, c.coefficients)
+                if key not in refs:
+                    refs[key] = newton_schulz(diag_pre(G.double(), c.mode, 1e-8), NS_STEPS,
+                                              c.coefficients, torch.float64)
+                ref = refs[key]
                 errors[c.name] = ((direction_of(c, shape, G, device) - ref).norm()
                                   / ref.norm()).item()
             for c in entries:
@@ -334,15 +384,20 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     values = [torch.randn(s, generator=gen).mul_(0.02).to(device) for s in shapes]
     opts = {}
+    #: per contender, what runs before each of its steps, outside the timing: a fresh copy of
+    #: the gradients for a step that changes or clears them, else nothing
+    prepare = {}
     for c in entries:
         params = []
         for v, g in zip(values, grads, strict=True):
             p = nn.Parameter(v.reshape(v.size(0), -1).clone() if c.flat else v.clone())
             p.grad = g.view_as(p)
             params.append(p)
+        prepare[c.name] = partial(fresh_grads, params, grads) if c.fresh_grads else no_op
         opts[c.name] = c.build(params, dict(HPARAMS))
     rate = matmul_rate(shapes, device)
-    for opt in opts.values():  # warm up: first-touch allocations, BLAS packing, compilation
+    for name, opt in opts.items():  # warm up: first-touch allocations, BLAS packing, compiling
+        prepare[name]()
         opt.step()
     rate()
     times = {c.name: [] for c in entries}
@@ -350,6 +405,7 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
     for r in range(repeats):
         order = entries[r % len(entries):] + entries[: r % len(entries)]
         for c in order:
+            prepare[c.name]()
             synchronize(device)
             start = time.perf_counter()
             opts[c.name].step()
@@ -360,6 +416,10 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
     matmul_gflops = statistics.median(rates)
     acc = accuracy(entries, shapes, device)
     rows = {}
+    peaks = {}
+    for c in entries:
+        prepare[c.name]()
+        peaks[c.name] = peak_extra_bytes(opts[c.name].step, device)
     for c in entries:
         t = times[c.name]
         ms = statistics.median(t) * 1e3
@@ -372,7 +432,7 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
                 a / b for a, b in zip(t, times["Muon (ours)"], strict=True)),
             "gflops": flops / (ms / 1e3) / 1e9,
             "of_matmul": flops / (ms / 1e3) / 1e9 / matmul_gflops,
-            "peak_extra_mb": (peak_extra_bytes(opts[c.name].step, device)
+            "peak_extra_mb": (peaks[c.name]
                               + getattr(opts[c.name], "workspace_bytes", 0)) / 2**20,
             # of which the scratch kept between steps (optimizer.workspace_bytes), and its bound
             # (bytes, "auto" or None)
@@ -412,6 +472,16 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
     }
 
 
+def no_op() -> None:
+    pass
+
+
+def fresh_grads(params: list[nn.Parameter], grads: list[Tensor]) -> None:
+    """Give every parameter a copy of its gradient (for a step that changes or clears it)."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.view_as(p).clone()
+
+
 def device_label(device: torch.device) -> str:
     """The device as printed: a GPU's name, or the CPU's name with torch's thread count."""
     if device.type != "cpu":
@@ -437,6 +507,12 @@ def table(result: dict) -> str:
     if result["quick"]:
         lines.append(f"QUICK RUN: miniature matrix sets, {plural(repeats, 'repeat')}: the timings "
                      "are smoke values (they check that every path runs), not measurements")
+    if result.get("peers"):
+        lines.append("Peers (public Muon implementations, each with its own Newton–Schulz "
+                     "schedule in bf16; their error columns against a float64 run of that "
+                     "schedule): " + ", ".join(f"{name} ({package})" for name, package
+                                               in result["peers"].items()) + ".")
+    lines += [f"Not run: {line}." for line in result.get("missing_peers", [])]
     for name, data in result["sets"].items():
         lines.append(f"\n**{name}**{' (quick: smoke values)' if result['quick'] else ''} — "
                      f"{data['matrices']} matrices, {data['parameters'] / 1e6:.2g}M parameters, "
@@ -484,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--compile", action="store_true",
                         help="add MuonEq-R with torch.compile'd Newton–Schulz")
+    parser.add_argument("--peers", default="with", choices=PEER_CHOICES,
+                        help="the installed public Muon implementations: beside every row "
+                        "(with, the default), not at all (without), or beside torch.optim.Muon, "
+                        "our Muon and MuonEq-R only (only)")
     parser.add_argument("--quick", action="store_true", help="miniature sets (smoke test)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default runs/bench/step_<device>[_quick].json)")
@@ -504,30 +584,44 @@ def main(argv: list[str] | None = None) -> int:
     if repeats < 1:
         parser.error("--repeats: must be ≥ 1")
     entries = contenders(device, args.compile)
+    packages, missing = {}, []
+    if args.peers != "without":
+        peer_rows, packages, missing = peer_contenders()
+        if args.peers == "only":
+            entries = [c for c in entries if c.name in PEERS_ONLY_KEEP]
+        entries += peer_rows
+    for line in missing:
+        print(f"[bench] {line}", flush=True)
     result = {
         "device": device_name(device),
+        "device_label": device_label(device),
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": code_version.taken().commit, "git_dirty": code_version.taken().dirty,
+        "cores": os.cpu_count(),
         "command": "muoneq bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "repeats": repeats,
         "quick": args.quick,
         "hparams": HPARAMS,
+        "peers": packages,
+        "missing_peers": missing,
         "sets": {},
     }
-    loads = [os.getloadavg()[0]]
+    loads = [load_average() or 0.0]
     for name in sets:
         print(f"[bench] {name} …", flush=True)
         result["sets"][name] = bench_set(MATRIX_SETS[name](args.quick), entries, device, repeats)
-        loads.append(os.getloadavg()[0])
-    result["load_avg"], result["cores"] = [min(loads), max(loads)], os.cpu_count()
+        loads.append(load_average() or 0.0)
+    result["load_avg"] = [min(loads), max(loads)]
     out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"device: {device_label(device)}, torch {result['torch']}, {plural(repeats, 'repeat')}")
+    out.with_suffix(".md").write_text(f"{heading(result)}\n\n{table(result)}\n")
+    print(heading(result))
     print(table(result))
     print(busy_note(loads, result["cores"]), end="")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {out} and {out.with_suffix('.md')}")
     return 0
 
 
@@ -540,6 +634,18 @@ def busy_note(loads: list[float], cores: int) -> str:
     return (f"\nThe machine was busy: a 1-minute load of {min(loads):.1f} to {max(loads):.1f} on "
             f"{cores} cores (over {BUSY_MARGIN:.0%} above them); the times are the machine's as "
             "much as the optimizers': measure again on an idle machine\n")
+
+
+def heading(result: dict) -> str:
+    """What ran where: the device, torch, the date, the commit, the command and the machine's
+    load (a load above the cores means other work shared them)."""
+    commit = (result["git_commit"] or "unknown")[:10] + (" (dirty)" if result["git_dirty"]
+                                                         else "")
+    low, high = result["load_avg"]
+    return (f"# muoneq bench on {result['device_label']}\n\n{result['date']}, muoneq at "
+            f"{commit}, torch {result['torch']}, {plural(result['repeats'], 'repeat')}, "
+            f"`{result['command']}`; 1-minute load average {low:.2f} to {high:.2f} while it ran "
+            f"({plural(result['cores'], 'core')}).")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,32 @@
 """Check every GPU path in one command and record what it measured: ``muoneq gpu-check``
 (``make gpu-check``).
 
-Six parts, run in this order; a part that fails is recorded and the next one still runs, and
+Seven parts, run in this order; a part that fails is recorded and the next one still runs, and
 the results are written again after every part (a kill loses no finished part):
 
 1. ``tests``: ``pytest -m gpu tests`` (the CUDA checks; they skip without a GPU);
-2. ``bench``: ``muoneq bench --compile`` on the device: the four matrix sets, every contender
-   (``torch.optim.Muon``, our Muon, MuonEq R/C/RC, the Gram order, the other batching path,
-   ``compile=True``) and the accuracy rule;
-3. ``gpt2``: GPT2-small at the recipe's shapes (``conf/experiment/gpt2_small_fineweb.yaml``:
+2. ``bench``: ``muoneq bench --compile --peers without`` on the device: the four matrix sets,
+   every contender of this project (our Muon, MuonEq R/C/RC, the Gram order, the other batching
+   path, the Triton and ``auto`` backends, ``compile=True``) and ``torch.optim.Muon``, and the
+   accuracy rule; and what ``ns_backend="auto"`` chose per shape, with both backends timed
+   (:func:`auto_choices`);
+3. ``peers``: ``muoneq bench --peers only``: the public Muon implementations installed here
+   (``muoneq[bench]``) beside ``torch.optim.Muon``, our Muon and MuonEq-R, on the GPT-2,
+   LLaMA2-130M and GPT-2-block sets (:data:`PEER_SETS`);
+4. ``gpt2``: GPT2-small at the recipe's shapes (``conf/experiment/gpt2_small_fineweb.yaml``:
    4,096-token sequences, global batch 128 = 16 micro-batches of 8) trained for a few steps on
    synthetic tokens, eager and with ``trainer.compile=true``: tokens/s, MFU, and the
    optimizer's share of a step (``optimizer.step()`` timed inside training at the recipe's
    global batch);
-4. ``llama130m``: the same for LLaMA2-130M at its recipe's shapes (``llama130m_c4``: 4,096-token
+5. ``llama130m``: the same for LLaMA2-130M at its recipe's shapes (``llama130m_c4``: 4,096-token
    sequences, global batch 128 = 16 micro-batches of 8);
-5. ``resnet``: one epoch of the CIFAR-10 recipe (ResNet-18, batch 128) with channels-last
+6. ``resnet``: one epoch of the CIFAR-10 recipe (ResNet-18, batch 128) with channels-last
    weights on synthetic CIFAR-shaped images (50,000 training, 10,000 test), timed, and where a
    step of it goes: forward and backward, ``optimizer.step()`` alone, the whole step and the
    kernels of one optimizer step (torch.profiler), on one batch already on the device; the
    optimizer's share of the step, and the loop's overhead (the epoch's time per step over the
    whole step's);
-6. ``fsdp2``: LLaMA2-1B built and trained for 2 steps under FSDP2 on one device, one
+7. ``fsdp2``: LLaMA2-1B built and trained for 2 steps under FSDP2 on one device, one
    micro-batch per step (a build check: sharding, the sharded optimizer step, the distributed
    checkpoint); out of memory is recorded as "did not fit".
 
@@ -37,8 +42,9 @@ against a float32 matmul rate measured here; the results say which.
 Every figure is compared with its target, where the GPU-speed work set one (:data:`FIGURES`),
 in one table of the summary.
 
-``--part-timeout S`` runs every part in a process of its own, stopped (with everything it
-started) after S seconds: a part that hangs is recorded as ``timed out`` and the next part runs.
+On a full run every part runs in a process of its own, stopped (with everything it started)
+at its limit (:data:`PART_LIMITS`; ``--part-timeout S``: S seconds each, ``none``: every part
+in this process): a part that hangs is recorded as ``timed out`` and the next part runs.
 
 ``--quick`` shrinks every part to a miniature (tiny models, short sequences, the bench's
 quick sets, no ``torch.compile``): its figures are smoke values, used by the test suite
@@ -60,6 +66,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -72,6 +79,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -81,7 +89,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from muoneq.suite.benchmarks.bench_step import device_label, operations, sig3
+from muoneq.functional import matrix_shape
+from muoneq.newton_schulz import orthogonalizer
+from muoneq.suite.benchmarks.bench_step import (
+    MATRIX_SETS,
+    PEERS_ONLY_KEEP,
+    device_label,
+    operations,
+    sig3,
+)
 from muoneq.suite.benchmarks.bench_step import main as bench_main
 from muoneq.suite.benchmarks.bench_step import table as bench_table
 from muoneq.suite.files import atomic_write, slug
@@ -342,15 +358,78 @@ def part_tests(check: Check) -> dict:
     return {"status": "ok", **result}
 
 
-def part_bench(check: Check) -> dict:
-    """``muoneq bench`` on the device (``--compile`` unless quick; quick: one set, one repeat)."""
+def run_bench(check: Check, flags: list[str]) -> dict:
+    """``muoneq bench`` on the device with ``flags`` (quick: one set, one repeat)."""
     out = check.work / "bench.json"
-    flags = ["--device", check.device.type]
-    flags += ["--quick", "--sets", "gpt2_small", "--repeats", "1"] if check.quick else ["--compile"]
+    flags = ["--device", check.device.type, *flags]
+    flags += ["--quick", "--sets", "gpt2_small", "--repeats", "1"] if check.quick else []
     if bench_main([*flags, "--out", str(out)]) != 0:
         raise RuntimeError("muoneq bench failed")
     return {"status": "ok", "command": "muoneq bench " + " ".join(flags),
             "result": json.loads(out.read_text())}
+
+
+def part_bench(check: Check) -> dict:
+    """``muoneq bench`` on the device, this project's rows and torch.optim.Muon's (``--compile``
+    unless quick), and what ``ns_backend="auto"`` chose per shape, and why
+    (:func:`auto_choices`)."""
+    bench = run_bench(check, ["--peers", "without", *([] if check.quick else ["--compile"])])
+    return {**bench, "auto": auto_choices(bench["result"], check)}
+
+
+#: the sets the peers are timed on (their compilation per shape costs device time: ResNet-18's
+#: ten filter shapes are left out)
+PEER_SETS = ("gpt2_small", "llama2_130m", "gpt2_block")
+
+
+def part_peers(check: Check) -> dict:
+    """The public Muon implementations installed here (``muoneq bench --peers only``: beside
+    torch.optim.Muon, our Muon and MuonEq-R, in one process) on :data:`PEER_SETS`."""
+    sets = [] if check.quick else ["--sets", ",".join(PEER_SETS)]
+    return run_bench(check, ["--peers", "only", *sets])
+
+
+#: the bench row whose Newton–Schulz backend ``ns_backend="auto"`` chose per shape
+AUTO_ROW = "MuonEq-R (auto)"
+
+
+def auto_choices(bench: dict, check: Check) -> dict:
+    """What ``ns_backend="auto"`` chose for each matrix shape of every bench set (the
+    :data:`AUTO_ROW` row's backends, chosen by the optimizer's own timing at its first step),
+    and why: both backends' bf16 NS5 of a stack of the set's matrices of that shape through
+    ``orthogonalizer``, timed here (median of 5 after a warm-up, device synchronized), and
+    their agreement (relative distance; ``auto`` keeps Triton only within
+    :data:`muoneq.newton_schulz.AGREEMENT`). Off a GPU ``auto`` is torch without a timing."""
+    if check.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return {"reason": "auto is torch off a CUDA GPU with Triton (no timing)", "sets": {}}
+    return {"reason": "the faster of torch and Triton per shape, Triton only where it agrees",
+            "sets": backend_choices(bench, check)}
+
+
+def backend_choices(bench: dict, check: Check) -> dict:
+    """Per bench set and matrix shape, the :data:`AUTO_ROW` row's backend and
+    :func:`backend_timings` of both."""
+    choices = {}
+    for name, data in bench["sets"].items():
+        shapes = Counter(matrix_shape(torch.empty(s, device="meta"))
+                         for s in MATRIX_SETS[name](bench["quick"]))
+        chosen = data["contenders"][AUTO_ROW]["ns_backends"]
+        choices[name] = {key: {"chose": backend, **backend_timings(
+            tuple(map(int, key.split("x"))), shapes, check)} for key, backend in chosen.items()}
+    return choices
+
+
+def backend_timings(shape: tuple[int, int], counts: Counter, check: Check) -> dict:
+    """NS5 of ``counts[shape]`` random bf16 matrices of ``shape`` on each backend: ms and their
+    relative distance."""
+    G = torch.randn(max(1, counts[shape]), *shape, device=check.device, dtype=torch.bfloat16)
+    runs = {backend: orthogonalizer(5, "quintic", torch.bfloat16, device=check.device,
+                                    backend=backend) for backend in ("torch", "triton")}
+    ms = {f"{backend}_ms": median_ms(partial(run, G), check.device, (5, 1))
+          for backend, run in runs.items()}
+    want, got = runs["torch"](G).float(), runs["triton"](G).float()
+    return {"matrices": len(G), **ms,
+            "distance": ((got - want).norm() / want.norm()).item()}
 
 
 #: language part → (recipe, figure prefix, the model as the summary names it)
@@ -501,7 +580,7 @@ def part_fsdp2(check: Check) -> dict:
 
 
 PARTS: dict[str, Callable[[Check], dict]] = {
-    "tests": part_tests, "bench": part_bench,
+    "tests": part_tests, "bench": part_bench, "peers": part_peers,
     **{name: partial(part_language, part=name) for name in LANGUAGE_PARTS},
     "resnet": part_resnet, "fsdp2": part_fsdp2,
 }
@@ -577,6 +656,12 @@ FIGURES = (
            unit=""),
     Figure("fastest_muoneq_r_variant_over_torch_muon_gpt2_small", "its step over "
            "torch.optim.Muon's"),
+    *(figure for key in PEER_SETS for name in [BENCH_SETS[key][0]] for figure in (
+        Figure(f"fastest_peer_{key}", f"fastest PyPI Muon (muoneq[bench]), {name}", unit=""),
+        Figure(f"fastest_peer_over_torch_muon_{key}", f"fastest PyPI Muon's step over "
+               f"torch.optim.Muon's, {name}"),
+        Figure(f"muoneq_r_over_fastest_peer_{key}", f"MuonEq-R step over the fastest PyPI "
+               f"Muon's, {name}"))),
     *(figure for _, key, name in LANGUAGE_PARTS.values() for figure in (
         Figure(f"{key}_mfu_compiled", f"{name} training MFU, compiled", 0.50, "min", "%"),
         Figure(f"{key}_mfu_eager", f"{name} training MFU, eager", unit="%"),
@@ -617,6 +702,24 @@ def bench_figures(bench: dict) -> dict:
     return figures
 
 
+def peer_figures(part: dict) -> dict:
+    """The fastest peer of each set (by its step over torch.optim.Muon's), and MuonEq-R's step
+    over that peer's (median of per-repeat ratios: the rows were timed in the same repeats)."""
+    figures = {}
+    for key, data in part["result"]["sets"].items():
+        rows = data["contenders"]
+        peers = {name: row for name, row in rows.items() if name not in PEERS_ONLY_KEEP}
+        if not peers:
+            continue
+        best = min(peers, key=lambda name: peers[name]["vs_torch"])
+        figures[f"fastest_peer_{key}"] = best
+        figures[f"fastest_peer_over_torch_muon_{key}"] = peers[best]["vs_torch"]
+        figures[f"muoneq_r_over_fastest_peer_{key}"] = statistics.median(
+            ours / theirs for ours, theirs in zip(rows["MuonEq-R"]["times_ms"],
+                                                  peers[best]["times_ms"], strict=True))
+    return figures
+
+
 def language_figures(part: dict, key: str) -> dict:
     figures = {}
     for run in ("eager", "compiled"):
@@ -647,6 +750,8 @@ def headline(parts: dict) -> dict:
     figures = dict.fromkeys(f.key for f in FIGURES)
     if parts.get("bench", {}).get("status") == "ok":
         figures.update(bench_figures(parts["bench"]))
+    if parts.get("peers", {}).get("status") == "ok":
+        figures.update(peer_figures(parts["peers"]))
     for name, (_, key, _) in LANGUAGE_PARTS.items():
         if "runs" in parts.get(name, {}):
             figures.update(language_figures(parts[name], key))
@@ -671,7 +776,25 @@ def section_tests(t: dict) -> list[str]:
 
 
 def section_bench(b: dict) -> list[str]:
-    return [f"`{b['command']}`", "", bench_table(b["result"])] if "result" in b else []
+    if "result" not in b:
+        return []
+    return [f"`{b['command']}`", "", bench_table(b["result"]), *auto_lines(b.get("auto"))]
+
+
+def auto_lines(auto: dict | None) -> list[str]:
+    """``ns_backend="auto"``'s choice per shape, and the timings that explain it."""
+    if auto is None:
+        return []
+    lines = ["", f"`ns_backend=\"auto\"`: {auto['reason']}."]
+    rows = [(name, shape, c) for name, shapes in auto["sets"].items()
+            for shape, c in shapes.items()]
+    if rows:
+        lines += ["", "| set | shape | matrices | chose | torch NS5 ms | Triton NS5 ms | "
+                  "distance |", "|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {name} | {shape} | {c['matrices']} | {c['chose']} | "
+                  f"{sig3(c['torch_ms'])} | {sig3(c['triton_ms'])} | {c['distance']:.1e} |"
+                  for name, shape, c in rows]
+    return lines
 
 
 def section_language(g: dict) -> list[str]:
@@ -743,10 +866,12 @@ def section_fsdp2(f: dict) -> list[str]:
 SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tests": ("1. GPU tests", section_tests),
     "bench": ("2. Optimizer step benchmark", section_bench),
-    "gpt2": ("3. GPT2-small training", section_language),
-    "llama130m": ("4. LLaMA2-130M training", section_language),
-    "resnet": ("5. ResNet-18 / CIFAR-10: one epoch, and where a step goes", section_resnet),
-    "fsdp2": ("6. LLaMA2-1B under FSDP2", section_fsdp2),
+    "peers": ("3. The public Muon implementations (muoneq[bench]) on the same matrices",
+              section_bench),
+    "gpt2": ("4. GPT2-small training", section_language),
+    "llama130m": ("5. LLaMA2-130M training", section_language),
+    "resnet": ("6. ResNet-18 / CIFAR-10: one epoch, and where a step goes", section_resnet),
+    "fsdp2": ("7. LLaMA2-1B under FSDP2", section_fsdp2),
 }
 
 
@@ -829,11 +954,31 @@ def run_part(part: str, check: Check) -> dict:
     return result
 
 
+#: Each part's limit in seconds on a full run, each part in a process of its own
+#: (``--part-timeout auto``), 580 s in all, so that the whole check fits 10 minutes of a lent
+#: GPU: 1.3–10× what the parts took on one H200 at commit 43ad865 (tests 18 s, bench 33 s,
+#: GPT-2 48 s, ResNet 10 s, FSDP2 41 s), whose tests (Triton kernels compiled per shape,
+#: ``compile=True``, two warm trials) and bench rows have grown since; the LLaMA part as
+#: GPT-2's, the peers (compiled per shape by heavyball) as the bench.
+PART_LIMITS = {"tests": 180, "bench": 90, "peers": 90, "gpt2": 70, "llama130m": 70,
+               "resnet": 25, "fsdp2": 55}
+
+
+def part_limits(setting: str, quick: bool) -> dict[str, float] | None:
+    """The limit of every part (``--part-timeout``), or None: every part in this process."""
+    if setting == "none" or (setting == "auto" and quick):
+        return None
+    if setting == "auto":
+        return dict(PART_LIMITS)
+    return dict.fromkeys(PARTS, float(setting))
+
+
 def part_command(part: str, device: torch.device, quick: bool, out: Path) -> list[str]:
     """The command that runs ``part`` alone in a process of its own (``--part-timeout``): it
     records the part in the results file at ``out``."""
     return [sys.executable, "-m", "muoneq", "gpu-check", "--device", device.type,
-            *(["--quick"] if quick else []), "--parts", part, "--out", str(out)]
+            *(["--quick"] if quick else []), "--parts", part, "--part-timeout", "none",
+            "--out", str(out)]
 
 
 def run_part_in_process(part: str, device: torch.device, quick: bool, path: Path,
@@ -864,9 +1009,10 @@ def run_part_in_process(part: str, device: torch.device, quick: bool, path: Path
 
 
 def run_parts(parts: list[str], record: dict, path: Path, copy_to: Path | None,
-              device: torch.device, quick: bool, part_timeout: float | None) -> None:
-    """Run ``parts`` in order, here or each in a process of its own, writing the results after
-    every part (a part cut short by a kill stays ``started``)."""
+              device: torch.device, quick: bool, limits: dict[str, float] | None) -> None:
+    """Run ``parts`` in order, here (``limits`` None) or each in a process of its own stopped
+    at its limit, writing the results after every part (a part cut short by a kill stays
+    ``started``)."""
     with tempfile.TemporaryDirectory(prefix="muoneq-gpu-check-") as scratch:
         for part in parts:
             print(f"\n[gpu-check] part {part} …", flush=True)
@@ -874,12 +1020,12 @@ def run_parts(parts: list[str], record: dict, path: Path, copy_to: Path | None,
             record["parts"][part] = {"status": "started", "reason": "did not finish (the "
                                      "process was killed or crashed)", "seconds": 0.0, **stamp}
             write_results(path, record, copy_to)
-            if part_timeout is None:
+            if limits is None:
                 check = Check(device, quick, Path(scratch) / part)
                 check.work.mkdir()
                 result = run_part(part, check)
             else:
-                result = run_part_in_process(part, device, quick, path, part_timeout)
+                result = run_part_in_process(part, device, quick, path, limits[part])
             record["parts"][part] = {**result, **stamp}
             write_results(path, record, copy_to)
             note = result.get("error") or result.get("reason") or ""
@@ -897,9 +1043,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, lis
                         help="miniature shapes, no torch.compile: smoke values (CPU: required)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, from: {', '.join(PARTS)} (default: all)")
-    parser.add_argument("--part-timeout", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--part-timeout", default="auto", metavar="SECONDS",
                         help="run every part in a process of its own, stopped after SECONDS: "
-                        "recorded as timed out, and the next part runs")
+                        "recorded as timed out, and the next part runs; auto (the default): "
+                        "each part's own limit on a full run (PART_LIMITS), none with --quick; "
+                        "none: every part in this process, no limit")
     parser.add_argument("--out", default=str(RESULTS_DIR),
                         help=f"folder of the results file (default {RESULTS_DIR})")
     parser.add_argument("--copy-to", default=None,
@@ -909,8 +1057,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, lis
         parser.error(f"--device: expected auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.part_timeout is not None and not args.part_timeout > 0:
-        parser.error(f"--part-timeout: expected seconds > 0, got {args.part_timeout:g}")
+    if args.part_timeout not in ("auto", "none"):
+        try:
+            seconds = float(args.part_timeout)
+        except ValueError:
+            seconds = math.nan
+        if not seconds > 0:
+            parser.error(f"--part-timeout: expected seconds > 0, auto or none, got "
+                         f"{args.part_timeout!r}")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
@@ -940,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"[gpu-check] {record['device_label']}: parts {', '.join(parts)}"
           f"{' (quick: smoke values)' if args.quick else ''} -> {path}", flush=True)
-    run_parts(parts, record, path, copy_to, device, args.quick, args.part_timeout)
+    run_parts(parts, record, path, copy_to, device, args.quick,
+              part_limits(args.part_timeout, args.quick))
     print("\n" + summary(record))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     failed = [p for p in parts if record["parts"][p]["status"] in ("failed", "timed out")]

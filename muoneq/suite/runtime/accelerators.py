@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import resource
+import time
 from typing import Any
 
 import torch
@@ -105,6 +106,27 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (so wall-clock step times are real)."""
     if (module := _device_module(device)) is not None:
         module.synchronize(device)
+
+
+def timestamp(device: torch.device):
+    """A point in time that costs no synchronization: on an accelerator a timing event recorded
+    on the device's current stream (it marks when the device reaches the work queued so far),
+    on the CPU ``time.perf_counter()``. :func:`durations` reads them."""
+    if (module := _device_module(device)) is None:
+        return time.perf_counter()
+    event = module.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def durations(spans: list[tuple]) -> list[float]:
+    """Seconds from start to end of each ``(start, end)`` pair of :func:`timestamp`s of one
+    device, taken in order; for device events this waits once, until the device has reached the
+    last end (a synchronization)."""
+    if not spans or isinstance(spans[0][0], float):
+        return [end - start for start, end in spans]
+    spans[-1][1].synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in spans]
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -46,8 +45,7 @@ class LanguageModule(TaskModule):
         self.tokens_per_step = batch_size * seq_len
         self.flops_per_token = model.flops_per_token(seq_len)
         self.best_val_loss = math.inf
-        self._step_started: float | None = None
-        self._step_at_start = 0
+        self._throughput_logged_at: int | None = None  # the global step of the last perf/ values
         self._val_totals: torch.Tensor | None = None
 
     def fsdp_units(self):
@@ -88,18 +86,14 @@ class LanguageModule(TaskModule):
             self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        if self._step_started is None:  # first micro-batch of an optimizer step
-            self._step_started = time.perf_counter()
-            self._step_at_start = self.trainer.global_step
-
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self._step_started is None or self.trainer.global_step == self._step_at_start:
-            return  # more micro-batches before the optimizer steps
-        tokens_per_s = self.tokens_per_step / (time.perf_counter() - self._step_started)
-        self._step_started = None
-        if not self.logs_step():
+        # the time of a step StepStats has just logged (it logs on the steps whose values are
+        # kept, reading the device's timing there; its hook runs before this one)
+        logged = self._step_stats().logged
+        if logged is None or logged[0] == self._throughput_logged_at:
             return
+        self._throughput_logged_at = logged[0]
+        tokens_per_s = self.tokens_per_step / logged[1]
         metrics = {"perf/tokens_per_s": tokens_per_s}
         if (mfu := self.mfu(tokens_per_s)) is not None:
             metrics["perf/mfu"] = mfu
@@ -142,9 +136,12 @@ class LanguageModule(TaskModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.best_val_loss = checkpoint.get("language", {}).get("best_val_loss", math.inf)
 
+    def _step_stats(self) -> StepStats:
+        return next(cb for cb in self.trainer.callbacks if isinstance(cb, StepStats))
+
     def final_metrics(self) -> dict:
         # the device training ran on: by now the module is back on the CPU
-        stats = next(cb for cb in self.trainer.callbacks if isinstance(cb, StepStats))
+        stats = self._step_stats()
         step_time = stats.summary()["step_time_s"]
         tokens_per_s = self.tokens_per_step / step_time if step_time == step_time else None
         best = self.best_val_loss
