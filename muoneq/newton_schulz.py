@@ -214,7 +214,7 @@ def ns_flops(shape: Sequence[int], steps: int, algorithm: str = "standard") -> f
     """Matmul FLOPs of ``steps`` Newton–Schulz iterations on an m×n matrix (either orientation).
 
     With ``algorithm="gram"`` this is the cost of the cheaper of the two orders (the one
-    :func:`run_schedule` picks).
+    :func:`iteration_for` picks).
     """
     m, n = sorted(shape[-2:])
     standard = steps * (4.0 * m * m * n + 2.0 * m**3)
@@ -440,6 +440,7 @@ def newton_schulz(
     coefficients="quintic",
     dtype: torch.dtype | str = AUTO_DTYPE,
     algorithm: str = "standard",
+    backend: Backend = "torch",
 ) -> Tensor:
     """Return ``NS_K(G)`` for a matrix or a batch of matrices ``(..., m, n)``.
 
@@ -447,13 +448,15 @@ def newton_schulz(
     ``"auto"``: :data:`AUTO_DTYPE`, for ``G``'s device; returned in that dtype: callers cast
     when applying the update), matrix by matrix in torch.optim.Muon's operations
     (:class:`MatrixIteration`; the Gram order: :class:`GramIteration`). ``steps=0`` returns
-    the normalized input. ``algorithm`` is the evaluation order (module docstring).
+    the normalized input. ``algorithm`` is the evaluation order (module docstring);
+    ``backend`` who runs the products (:data:`NS_BACKENDS`; ``"triton"`` and a callable take
+    the batch as one stack; ``"auto"`` is ``"torch"`` here).
     """
     if G.ndim < 2:
         raise ValueError(
             f"newton_schulz: expected a matrix (..., m, n), got shape {tuple(G.shape)}"
         )
-    settings = ns_settings(steps, coefficients, dtype, algorithm, device=G.device)
+    settings = ns_settings(steps, coefficients, dtype, algorithm, backend, device=G.device)
     X = _normalized_stack(G, settings)
     iteration = iteration_for(settings, tuple(X.shape[-2:]), per_matrix=True)
     found = iteration.iterate(X, settings.schedule.coefficients, buffers_for(iteration, X))

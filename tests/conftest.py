@@ -14,6 +14,21 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """:mod:`muoneq.ns_triton`, its kernels in Triton's interpreter (asked for above where there
+    is no GPU) on CPU tensors, the interpreter's bf16 arithmetic corrected
+    (:mod:`tests.helpers.triton_interpreter`)."""
+    pytest.importorskip("triton")
+    from muoneq import ns_triton
+    from tests.helpers.triton_interpreter import corrected
+
+    if not ns_triton._interpreted():
+        pytest.skip("the Triton kernels run on CPU only in Triton's interpreter")
+    with corrected():
+        yield ns_triton
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest on one thread (and bitwise reproducibly); on a busy shared CPU

@@ -2,7 +2,7 @@
 the same device, this project's Triton kernels compiled for the device against torch's products,
 ``capturable=True`` in a captured CUDA graph, ``compile=True`` on the stacked path, a sweep of
 warm trials on one GPU each, and the benchmark recording the device. Written against the public
-API (the optimizers' arguments, ``orthogonalizer``'s backends, ``ns_triton.iterate_stack``); the
+API (the optimizers' arguments, ``newton_schulz``'s backends, ``ns_triton.iterate_stack``); the
 kernel checks that Triton's interpreter can run also run on a CPU (``test_gpu_on_cpu.py``)."""
 
 import json
@@ -14,7 +14,7 @@ import yaml
 from torch import nn
 
 from muoneq import MuonEq
-from muoneq.newton_schulz import orthogonalizer
+from muoneq.newton_schulz import newton_schulz
 from tests.helpers import gpu
 from tests.helpers.gpu import ns5_errors
 from tests.helpers.layout import CASES, run_separate, run_stored
@@ -155,15 +155,15 @@ def test_the_compiled_kernels_address_stacks_past_2_31_elements():
     """A stack whose matrices lie past element 2³¹ (64-bit offsets in the kernels): three
     matrices 2³⁰ elements apart, and a contiguous bf16 stack of 8,194 matrices of 64×4096
     (2.15·10⁹ elements, 4.3 GB; ~13 GB with the normalized copy and the iterate's second
-    buffer) through ``orthogonalizer``, its first and last matrices against torch's."""
+    buffer) through ``newton_schulz``, its first and last matrices against torch's."""
     pytest.importorskip("triton")
     assert gpu.far_apart_stack_distance("cuda") <= gpu.NS5_AGREEMENT
     m, n = 64, 4096
     G = torch.randn(2**31 // (m * n) + 2, m, n, device="cuda", dtype=torch.bfloat16)
     assert G.numel() > 2**31
     ends = [0, len(G) - 2, len(G) - 1]
-    want = orthogonalizer(5, "quintic", torch.bfloat16, device="cuda", backend="torch")(G[ends])
-    got = orthogonalizer(5, "quintic", torch.bfloat16, device="cuda", backend="triton")(G)[ends]
+    want = newton_schulz(G[ends], 5, "quintic", torch.bfloat16, backend="torch")
+    got = newton_schulz(G, 5, "quintic", torch.bfloat16, backend="triton")[ends]
     assert gpu.relative_distance(got, want) <= gpu.NS5_AGREEMENT
 
 

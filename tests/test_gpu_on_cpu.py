@@ -123,7 +123,7 @@ interpreted = pytest.mark.skipif(torch.cuda.is_available(),
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", gpu.KERNEL_STACKS, ids=str)
-def test_a_newton_schulz_step_on_the_kernels_is_torchs_within_rounding(shape, dtype):
+def test_a_newton_schulz_step_on_the_kernels_is_torchs_within_rounding(shape, dtype, kernels):
     assert gpu.triton_step_units(shape, dtype, "cpu") <= gpu.STEP_UNITS[dtype]
 
 
@@ -133,8 +133,9 @@ def test_the_kernels_address_a_stack_past_2_31_elements():
     with 32-bit ones the third matrix of :func:`gpu.far_apart_stack_units` is read at a
     negative offset (in the interpreter, a segmentation fault; on a GPU, an illegal address).
     Run in a process of its own, with the interpreter, so that such a fault is reported."""
-    code = ("from tests.helpers.gpu import far_apart_stack_distance; "
-            "print(far_apart_stack_distance('cpu'))")
+    code = ("from tests.helpers.gpu import far_apart_stack_distance\n"
+            "from tests.helpers.triton_interpreter import corrected\n"
+            "with corrected():\n    print(far_apart_stack_distance('cpu'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"

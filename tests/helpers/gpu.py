@@ -8,8 +8,7 @@ import time
 import lightning as L
 import torch
 
-from muoneq import newton_schulz
-from muoneq.newton_schulz import QUINTIC, iterate_stack, orthogonalizer, resolve_dtype
+from muoneq.newton_schulz import QUINTIC, StackIteration, newton_schulz, resolve_dtype
 
 #: The dtype Newton–Schulz runs in on a GPU by default (``ns_dtype="auto"``).
 GPU_NS_DTYPE = resolve_dtype("auto", "cuda")
@@ -32,10 +31,10 @@ def random_stack(shape, device, dtype=torch.float32, seed: int = 0) -> torch.Ten
 
 def triton_step_units(shape, dtype: torch.dtype, device: str) -> float:
     """The largest difference between one quintic Newton–Schulz step of a random stack on the
-    Triton backend and on torch's (``orthogonalizer(..., backend=...)``, the same normalized
+    Triton backend and on torch's (``newton_schulz(..., backend=...)``, the same normalized
     input), in units of ``dtype``'s rounding of the largest entry."""
     G = random_stack(shape, device)
-    steps = {backend: orthogonalizer(1, "quintic", dtype, device=device, backend=backend)(G)
+    steps = {backend: newton_schulz(G, 1, "quintic", dtype, backend=backend)
              for backend in ("torch", "triton")}
     want = steps["torch"].double()
     difference = (steps["triton"].double() - want).abs().max().item()
@@ -47,9 +46,8 @@ def triton_ns5_errors(shape, device: str) -> dict[str, float]:
     NS5 of the same stack (the accuracy rule: the kernels within 1.5× torch's)."""
     G = random_stack(shape, device)
     exact = newton_schulz(G.double().cpu(), 5, dtype=torch.float64)
-    return {backend: ((orthogonalizer(5, "quintic", torch.bfloat16, device=device,
-                                      backend=backend)(G).double().cpu() - exact).norm()
-                      / exact.norm()).item()
+    return {backend: ((newton_schulz(G, 5, "quintic", torch.bfloat16, backend=backend)
+                       .double().cpu() - exact).norm() / exact.norm()).item()
             for backend in ("torch", "triton")}
 
 
@@ -79,13 +77,15 @@ def far_apart_stack_distance(device: str, m: int = 64, n: int = 96) -> float:
 
     def buffers(like):
         gram = torch.empty(3, m, m, dtype=torch.bfloat16, device=device)
-        return {"other": torch.empty_like(like, memory_format=torch.contiguous_format),
-                "gram": gram, "poly": torch.empty_like(gram)}
+        return {"ns_other": torch.empty_like(like, memory_format=torch.contiguous_format),
+                "ns_gram": gram, "ns_poly": torch.empty_like(gram)}
 
     coefficients = (QUINTIC,) * 5
-    got = ns_triton.iterate_stack(X, coefficients, **buffers(X))
-    return relative_distance(got, iterate_stack(contiguous, coefficients,
-                                                **buffers(contiguous)))
+    found = buffers(X)
+    got = ns_triton.iterate_stack(X, coefficients, other=found["ns_other"],
+                                  gram=found["ns_gram"], poly=found["ns_poly"])
+    return relative_distance(got, StackIteration().iterate(contiguous, coefficients,
+                                                           buffers(contiguous)))
 
 
 

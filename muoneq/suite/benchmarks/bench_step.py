@@ -174,8 +174,9 @@ class Contender:
 #: ``--peers``: the peers beside every row ("with"), no peers ("without"), or the peers beside
 #: torch.optim.Muon, our Muon and MuonEq-R only ("only")
 PEER_CHOICES = ("with", "without", "only")
-#: the rows kept beside the peers with ``--peers only``
-PEERS_ONLY_KEEP = ("torch.optim.Muon", "Muon (ours)", "MuonEq-R")
+#: the rows kept beside the peers with ``--peers only`` (on a CPU MuonEq-R's stacked row too: the
+#: default workspace's figure is read off it)
+PEERS_ONLY_KEEP = ("torch.optim.Muon", "Muon (ours)", "MuonEq-R", "MuonEq-R (stacked)")
 
 
 def peer_contenders() -> tuple[list[Contender], dict[str, str], list[str]]:
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="with", choices=PEER_CHOICES,
                         help="the installed public Muon implementations: beside every row "
                         "(with, the default), not at all (without), or beside torch.optim.Muon, "
-                        "our Muon and MuonEq-R only (only)")
+                        "our Muon and MuonEq-R's rows only (only)")
     parser.add_argument("--quick", action="store_true", help="miniature sets (smoke test)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default runs/bench/step_<device>[_quick].json)")
