@@ -7,6 +7,7 @@ from the optimizer's distributed path (the issue's bound for fp32 NS: 1e-6 relat
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -194,11 +195,11 @@ BUDGET_METHODS = ("muoneq", "muon", "muon_plus", "normuon", "adamuon", "mousse")
 
 
 def budgets_worker(rank: int, world: int) -> dict:
-    """Each method's stacked step: its aten operations and allocations after the first step,
-    split between DDP ranks (replicated parameters with the same gradients) and as FSDP2 row
-    shards, for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, whole shapes
-    per chunk). The allocations of a third step too: Mousse's (``precond_every=2``) refreshes
-    its eigenbases there."""
+    """Each method's step: its aten operations and allocations after the first step, split
+    between DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards,
+    stacked for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, whole shapes
+    per chunk) and per matrix for two. The allocations of a third step too: Mousse's
+    (``precond_every=2``) refreshes its eigenbases there."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -206,24 +207,24 @@ def budgets_worker(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     results = {}
-    for path in ("ddp", "fsdp"):
-        for method in BUDGET_METHODS:
-            for copies in (2, 6):
-                gen = torch.Generator().manual_seed(0)
-                values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
-                grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
-                place = ((lambda t: t) if path == "ddp"
-                         else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
-                params = [nn.Parameter(place(v)) for v in values]
-                for p, g in zip(params, grads, strict=True):
-                    p.grad = place(g)
-                opt = build_optimizer(method, [{"params": params}], lr=0.02, ns_dtype="float32",
-                                      batching="stacked", workspace_limit=None,
-                                      **METHOD_OPTIONS.get(method, {}))
-                opt.step()
-                seen, refreshing = dispatched(opt.step), dispatched(opt.step)
-                results[(path, method, copies)] = (dict(seen.ops),
-                                                   seen.allocated + refreshing.allocated)
+    runs = [("stacked", 2), ("stacked", 6), ("per_matrix", 2)]
+    for path, method, (batching, copies) in itertools.product(("ddp", "fsdp"), BUDGET_METHODS,
+                                                              runs):
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+        grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+        place = ((lambda t: t) if path == "ddp"
+                 else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
+        params = [nn.Parameter(place(v)) for v in values]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = place(g)
+        opt = build_optimizer(method, [{"params": params}], lr=0.02, ns_dtype="float32",
+                              batching=batching, workspace_limit=None,
+                              **METHOD_OPTIONS.get(method, {}))
+        opt.step()
+        seen, refreshing = dispatched(opt.step), dispatched(opt.step)
+        results[(path, method, batching, copies)] = (dict(seen.ops),
+                                                     seen.allocated + refreshing.allocated)
     return results
 
 
@@ -310,12 +311,12 @@ DISTRIBUTED_BUDGETS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("method", BUDGET_METHODS)
 @pytest.mark.parametrize("path", ["ddp", "fsdp"])
-def test_a_distributed_stacked_step_keeps_its_budget_and_allocates_nothing(spawned, path,
-                                                                           method):
+def test_a_distributed_step_keeps_its_budget_and_allocates_nothing(spawned, path, method):
     for r in range(WORLD):
-        (ops, allocated), (more_ops, more_allocated) = (
-            spawned[r]["budgets"][(path, method, copies)] for copies in (2, 6))
-        assert allocated == [] and more_allocated == []
+        (ops, allocated), (more_ops, more_allocated), (_, per_matrix) = (
+            spawned[r]["budgets"][(path, method, batching, copies)]
+            for batching, copies in [("stacked", 2), ("stacked", 6), ("per_matrix", 2)])
+        assert allocated == [] and more_allocated == [] and per_matrix == []
         assert ops == more_ops, "the operations grow with the shapes, not with the matrices"
         assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path][method], ops
 

@@ -440,3 +440,35 @@ def test_the_default_workspace_is_within_twice_torch_muons_extra_memory(name):
     assert round(planned / 2**20, 1) == mib
     assert sum(len(step.chunks) for step in steps) == chunks
     assert dispatched(opt.step).total == ops
+
+
+def test_the_gram_order_is_chosen_per_chunk_and_its_buffers_kept_within_the_limit():
+    """``ns_algorithm="gram"``: the chunks of 1:4 matrices take the Gram order (the FLOP rule),
+    the square ones the standard order; the Gram buffers are the plan's, counted in
+    ``workspace_bytes`` and bounded by ``workspace_limit`` as every other buffer; the bounded
+    plan steps as the unbounded one."""
+    from muoneq.newton_schulz import GramIteration, StackIteration
+
+    shapes = [(16, 64)] * 6 + [(16, 16)] * 2
+    results = []
+    for limit in (None, 60_000):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = MuonEq(params, lr=0.05, ns_dtype="float64", ns_algorithm="gram",
+                     batching="stacked", workspace_limit=limit)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        chunks = [c for step in opt._planned().values() for c in step.chunks]
+        assert {c.shape: type(c.iteration) for c in chunks} == {(16, 64): GramIteration,
+                                                                (16, 16): StackIteration}
+        gram = sum(opt._workspace._flat[key].numel() * 8 for key in opt._workspace._flat
+                   if key[0].startswith("gram_"))
+        results.append((params, len(chunks), opt.workspace_bytes, gram))
+    (unbounded, few, big, gram), (bounded, many, small, _) = results
+    assert gram > 0 and big >= gram
+    assert small <= 60_000 < big and many > few
+    for a, b in zip(bounded, unbounded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -528,11 +528,13 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
 
 def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
     """``ns_backend="auto"``: on a GPU with Triton, the faster of torch and Triton on this
-    chunk's buffers (one timing, at planning) among those that agree; torch elsewhere."""
+    chunk's buffers (one timing, at planning) among those that agree; torch elsewhere, and
+    where the FLOP rule chose the Gram order (which runs on torch's products)."""
     import importlib.util
 
     X = chunk.ns_input
-    if (X.device.type != "cuda" or X.dtype not in AGREEMENT or X.dtype == torch.float64
+    if (not isinstance(chunk.iteration, StackIteration) or X.device.type != "cuda"
+            or X.dtype not in AGREEMENT or X.dtype == torch.float64
             or importlib.util.find_spec("triton") is None or settings.per_matrix):
         return chunk.iteration
     candidates = {"torch": StackIteration(), "triton": TritonIteration()}
