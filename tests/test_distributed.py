@@ -7,6 +7,7 @@ from the optimizer's distributed path (the issue's bound for fp32 NS: 1e-6 relat
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -466,27 +467,41 @@ def layout_optimizer(groups, batching: str):
                   batching=batching)
 
 
+#: Transposed one-matrix layouts under the methods with state of their own (stacked): state in
+#: the matrix view, whose rows are the stored columns, and Mousse's gradients staged oriented.
+METHOD_LAYOUT_CASES = [c for c in CASES if c.id in ("conv1d", "conv_transpose")]
+METHOD_LAYOUT_METHODS = ("adamuon", "mousse")
+
+
+def method_optimizer(groups, method: str):
+    return build_optimizer(method, groups, lr=0.02, ns_dtype="float32", batching="stacked",
+                           **METHOD_OPTIONS.get(method, {}))
+
+
 def layouts_worker(rank: int, world: int) -> dict:
     """Each case under the DDP split (the same gradients on every rank, as DDP leaves them)
-    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked."""
+    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked; and the method
+    cases. One parameter: one rank owns it, the other steps nothing."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
+    runs = [*((case, functools.partial(layout_optimizer, batching=batching), batching)
+              for case in LAYOUT_CASES for batching in LAYOUT_BATCHING),
+            *((case, functools.partial(method_optimizer, method=method), method)
+              for case in METHOD_LAYOUT_CASES for method in METHOD_LAYOUT_METHODS)]
     results = {}
-    for case in LAYOUT_CASES:
-        for batching in LAYOUT_BATCHING:
-            for path in ("ddp", "fsdp"):
-                def place(t, path=path):
-                    return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
+    for (case, make, name), path in itertools.product(runs, ("ddp", "fsdp")):
+        def place(t, path=path):
+            return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
 
-                p = nn.Parameter(place(case.stored(initial_blocks(case))))
-                opt = layout_optimizer([{"params": [p], **case.keys}], batching)
-                for t in range(STEPS):
-                    p.grad = place(case.stored(block_grads(case, t)))
-                    opt.step()
-                whole = p.detach() if path == "ddp" else p.detach().full_tensor()
-                results[(case.id, batching, path)] = whole.clone()
+        p = nn.Parameter(place(case.stored(initial_blocks(case))))
+        opt = make([{"params": [p], **case.keys}])
+        for t in range(STEPS):
+            p.grad = place(case.stored(block_grads(case, t)))
+            opt.step()
+        whole = p.detach() if path == "ddp" else p.detach().full_tensor()
+        results[(case.id, name, path)] = whole.clone()
     return results
 
 
@@ -505,6 +520,22 @@ def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, ba
     for r in range(WORLD):
         got = spawned[r]["layouts"][(case.id, batching, path)]
         assert max_rel_diff([got], [want]) <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", METHOD_LAYOUT_CASES, ids=[c.id for c in METHOD_LAYOUT_CASES])
+@pytest.mark.parametrize("method", METHOD_LAYOUT_METHODS)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_methods_on_transposed_layouts_match_one_process(spawned, case, method, path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = run_separate(case, functools.partial(method_optimizer, method=method))
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(WORLD):
+        assert max_rel_diff([spawned[r]["layouts"][(case.id, method, path)]], [want]) <= TOLERANCE
 
 
 # ----------------------------------------------------------------------------- Lightning
