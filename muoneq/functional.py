@@ -9,7 +9,9 @@
 
     step_stacks(…)              Algorithm 1 for every matrix of a planned param group: what
                                 ``optimizer.step()`` calls, as torch.optim.Muon.step calls muon()
-      line 5 for every matrix at once, then per chunk of same-shape matrices
+      decay_weights (line 13's 1 − ηλ), then line 5: every matrix at once, a foreach each
+      stage_banks(chunks, …)        line 7 for banks stored other than (out, in·…)
+      then per chunk of same-shape matrices
       prologue(chunk, …)            lines 6–11: M̃ staged, the method's prepare, diag_pre
                                     (written once in the NS dtype, normalized for NS)
       chunk.iteration.iterate(…)    line 12: the chunk's Newton–Schulz backend
@@ -37,6 +39,7 @@ from torch import Tensor
 from muoneq.newton_schulz import (
     NORM_EPS,
     NSSettings,
+    Request,
     buffers_for,
     iteration_for,
     normalize,
@@ -274,7 +277,22 @@ def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_deca
 # ----------------------------------------------------------------------------- a planned group
 class Rule(Protocol):
     """A method's map around Newton–Schulz (every optimizer of :mod:`muoneq.optim`), batched
-    over the rows of a chunk that belong to one :class:`~muoneq.optim.plan.Segment`."""
+    over the rows of a chunk that belong to one :class:`~muoneq.optim.plan.Segment`.
+
+    ``prepare(M, segment, group, out)`` returns what Newton–Schulz orthogonalizes (before
+    DiagPre) from ``M̃`` (``M``, read only; ``out`` is scratch of its shape and dtype);
+    ``finish(O, segment, group)`` returns the directions from the Newton–Schulz output ``O``,
+    which it may overwrite: ``O`` comes in the NS dtype where ``finishes_in_ns_dtype``, else
+    contiguous in the accumulation dtype (float32 at least). Both write only into buffers the
+    plan holds — ``segment.scratch``, the rows of what :meth:`requests` named for the chunk,
+    and the segment's banked ``state`` — so that a step allocates nothing;
+    ``segment.gradient`` holds the gradients ``(k, m, n)`` where ``reads_gradient``."""
+
+    finishes_in_ns_dtype: bool
+    reads_gradient: bool
+
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]: ...
 
     def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor: ...
 
@@ -330,14 +348,19 @@ def stage_banks(chunks: list[Chunk], nesterov: bool, beta: float) -> None:
 def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: float, eps: float,
              mode: str, norm_scale: float) -> Tensor:
     """Lines 6–11 and Newton–Schulz's normalization for one chunk: ``M̃`` staged into its stack
-    (Nesterov from the gathered gradients, or copied), each segment's ``rule.prepare``, then
-    :func:`diag_pre` written once in the NS dtype (``chunk.ns_input``)."""
+    (Nesterov from the gathered gradients, or copied), the gradients where the method reads
+    them, each segment's ``rule.prepare``, then :func:`diag_pre` written once in the NS dtype
+    (``chunk.ns_input``)."""
     for segment in chunk.segments:
         if segment.gather is not None and nesterov:  # M̃ formed in the stack itself
             torch.stack([p.grad for p in segment.params], out=segment.gather)
             segment.gather.lerp_(segment.momentum, beta)
         elif segment.source is not None:
             segment.stack.copy_(segment.source)
+        if segment.gradient_stack is not None:
+            torch.stack([p.grad for p in segment.params], out=segment.gradient_stack)
+        if segment.gradient_copy is not None:
+            segment.gradient_copy[0].copy_(segment.gradient_copy[1])
     source, whole = chunk.source, len(chunk.segments) == 1
     for segment in chunk.segments:
         rows = source if whole else source[segment.rows]
@@ -353,7 +376,12 @@ def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: flo
 
 def finished(chunk: Chunk, O: Tensor, rule: Rule, group: dict) -> Tensor:
     """The directions of a chunk from its Newton–Schulz output ``O``: each segment's
-    ``rule.finish``; where one computes anything, the chunk's stack holds the results."""
+    ``rule.finish`` (given ``O`` as :class:`Rule` says: cast into the chunk's stack where the
+    method computes in the accumulation dtype); where one returns another tensor, the chunk's
+    stack holds the results."""
+    if not rule.finishes_in_ns_dtype and (O.dtype != chunk.stack.dtype
+                                          or not O.is_contiguous()):
+        O = chunk.stack.copy_(O)
     if len(chunk.segments) == 1:
         D = rule.finish(O, chunk.segments[0], group)
         return D if D is O or _same(D, chunk.stack) else chunk.stack.copy_(D)
@@ -362,7 +390,9 @@ def finished(chunk: Chunk, O: Tensor, rule: Rule, group: dict) -> Tensor:
     if all(D is rows for _, rows, D in parts):
         return O
     for segment, _, D in parts:
-        chunk.stack[segment.rows].copy_(D)
+        target = chunk.stack[segment.rows]
+        if not _same(D, target):
+            target.copy_(D)
     return chunk.stack
 
 

@@ -243,9 +243,20 @@ def ns_settings(steps: int, coefficients, dtype, algorithm: str = "standard",
                 backend="torch", *, device: torch.device | str | None = None) -> NSSettings:
     """:class:`NSSettings` of a group's ``ns_steps``, ``ns_coefficients``, ``ns_dtype`` (``"auto"``
     for ``device``), ``ns_algorithm`` and ``ns_backend``, validated."""
+    algorithm, backend = canonical_algorithm(algorithm), canonical_backend(backend)
+    check_runs(algorithm, backend)
     return NSSettings(resolve_schedule(normalize_coefficients(coefficients, steps), steps),
-                      resolve_dtype(dtype, device), canonical_algorithm(algorithm),
-                      canonical_backend(backend))
+                      resolve_dtype(dtype, device), algorithm, backend)
+
+
+def check_runs(algorithm: str, backend: Backend) -> None:
+    """Refuse, in one line, an ``ns_algorithm`` the ``ns_backend`` cannot run: the Gram order
+    runs on torch's products only (``"auto"`` keeps it where the FLOP rule chooses it)."""
+    if algorithm == "gram" and backend not in ("torch", "auto"):
+        name = getattr(backend, "__name__", repr(backend))
+        raise ValueError(f"ns_algorithm: 'gram' runs on torch's products; ns_backend={name} "
+                         "runs the standard order only (use ns_algorithm='standard' or "
+                         "ns_backend='torch')")
 
 
 def normalize(X: Tensor, norm_scale: float = 1.0, *, norm: Tensor | None = None) -> Tensor:

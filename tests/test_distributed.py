@@ -7,6 +7,8 @@ from the optimizer's distributed path (the issue's bound for fp32 NS: 1e-6 relat
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import os
 import socket
@@ -20,18 +22,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from muoneq import MuonEq
+from muoneq import MuonEq, build_optimizer
 from muoneq.newton_schulz import ns_flops
-from muoneq.optim import Mousse, MuonPlus, NorMuon
+from muoneq.optim import AdaMuon, Mousse, MuonPlus, NorMuon
 from muoneq.optim.distributed import balance, shard_rows
 from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
 
 WORLD = 2
 STEPS = 3
-#: Methods with state of their own (``banked_state``): never split.
-STATEFUL = {"normuon": NorMuon, "mousse": Mousse}
-#: Methods other than MuonEq whose direction depends on ``M̃`` alone: split like MuonEq.
-STATELESS = {"muon_plus": MuonPlus}
+#: The methods other than MuonEq, split like it (those with state of their own update the
+#: state of the matrices they own, which travels with the matrices' rows).
+METHODS = {"normuon": NorMuon, "adamuon": AdaMuon, "mousse": Mousse, "muon_plus": MuonPlus}
+#: their own keywords in these runs: Mousse refreshes its eigenbases at steps 1 and 3
+METHOD_OPTIONS = {"mousse": {"precond_every": 2}}
 TOLERANCE = 1e-6
 #: on the path of the Lightning script's process, which imports this module as ``tests.…``
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,27 +71,40 @@ def train(model, opt, steps: int, first: int = 0) -> None:
         opt.step()
 
 
-def build(kind: str, model: nn.Module, **options):
+def build(kind: str, model: nn.Module, cls: type | None = None, **options):
+    """``kind``: a DiagPre mode of MuonEq or a name of :data:`METHODS`, ``/stacked`` for the
+    stacked path (Newton–Schulz in float32); ``cls``: a subclass of its class to build."""
     hparams = {"lr": 0.05, "weight_decay": 0.1}
-    if kind in STATEFUL:
-        return STATEFUL[kind](groups(model), **hparams)
-    if kind in STATELESS:
-        return STATELESS[kind](groups(model), ns_dtype=torch.float32, **hparams, **options)
-    mode, _, batching = kind.partition("/")
-    return MuonEq(groups(model), mode=mode, ns_dtype=torch.float32,
-                  batching=batching or "auto", **hparams, **options)
+    name, _, batching = kind.partition("/")
+    if name in METHODS:
+        return (cls or METHODS[name])(groups(model), ns_dtype=torch.float32,
+                                      batching=batching or "auto", **hparams,
+                                      **METHOD_OPTIONS.get(name, {}), **options)
+    return (cls or MuonEq)(groups(model), mode=name, ns_dtype=torch.float32,
+                           batching=batching or "auto", **hparams, **options)
 
 
-def single_process(kind: str, steps: int = STEPS) -> list[torch.Tensor]:
-    """The reference run, on one thread like the workers (BLAS rounds by thread count)."""
+def single_process(kind: str, steps: int = STEPS, with_state: bool = False):
+    """The reference run, on one thread like the workers (BLAS rounds by thread count): the
+    parameters, and with ``with_state`` the optimizer's state by parameter index."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_model()
-        train(model, build(kind, model), steps)
-        return [p.detach().clone() for p in model.parameters()]
+        opt = build(kind, model)
+        train(model, opt, steps)
+        params = [p.detach().clone() for p in model.parameters()]
+        return (params, matrix_state(model, opt)) if with_state else params
     finally:
         torch.set_num_threads(threads)
+
+
+def matrix_state(model: nn.Module, opt) -> list[dict[str, torch.Tensor]]:
+    """The state of each matrix parameter, whole (a sharded state's ``full_tensor()``)."""
+    from muoneq.optim.plan import is_dtensor
+
+    return [{key: (t.full_tensor() if is_dtensor(t) else t).detach().clone()
+             for key, t in opt.state[p].items()} for p in model.parameters() if p.ndim >= 2]
 
 
 def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -117,22 +133,26 @@ def spawn(worker: str, tmp_path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- DDP
-class CountingMuonEq(MuonEq):
-    """MuonEq that records the FLOPs it orthogonalizes on this rank."""
+def counting(kind: str, model: nn.Module):
+    """The optimizer of ``kind`` (:func:`build`), recording the Newton–Schulz FLOPs of the
+    matrices it steps on this rank (``flops``)."""
+    class Counting(METHODS.get(kind.partition("/")[0], MuonEq)):
+        flops = 0.0
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.flops = 0.0
+        def prepare(self, M, segment, group, out):
+            self.flops += M.shape[0] * ns_flops(M.shape[-2:], group["ns_steps"])
+            return super().prepare(M, segment, group, out)
 
-    def prepare(self, M, segment, group, out):
-        self.flops += M.shape[0] * ns_flops(M.shape[-2:], group["ns_steps"])
-        return M
+    return build(kind, model, Counting)
 
 
-#: (optimizer, distributed=): MuonEq split or not, Muon+ split, and NorMuon (stateful: never
-#: split)
+#: Methods whose FLOPs are counted: MuonEq, and Mousse (state of its own, gradients read)
+COUNTED = ["R", "mousse"]
+
+
+#: (optimizer, distributed=): MuonEq split or not, and every other method split, stacked
 DDP_CASES = [("R", "auto"), ("R", False), ("none", "auto"), ("RC/stacked", "auto"),
-             ("muon_plus", "auto"), ("normuon", "auto")]
+             *((f"{name}/stacked", "auto") for name in METHODS)]
 
 
 def ddp_worker(rank: int, world: int) -> dict:
@@ -140,14 +160,16 @@ def ddp_worker(rank: int, world: int) -> dict:
     for kind, split in DDP_CASES:
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = build(kind, model) if kind in STATEFUL else build(kind, model, distributed=split)
+        opt = build(kind, model, distributed=split)
         train(ddp, opt, STEPS)
         results[(kind, split)] = [p.detach().clone() for p in model.parameters()]
-    model = make_model()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = CountingMuonEq(groups(model), lr=0.05, ns_dtype=torch.float32)
-    train(ddp, opt, 1)
-    results["flops"] = opt.flops
+        results[(kind, split, "state")] = matrix_state(model, opt)
+    for kind in COUNTED:
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = counting(kind, model)
+        train(ddp, opt, 1)
+        results[("flops", kind)] = opt.flops
     # without DDP the ranks' gradients differ: splitting must refuse
     model = make_model()
     opt = MuonEq(groups(model), lr=0.05)
@@ -169,13 +191,16 @@ def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
 
 #: Matrices of the budget runs: per copy, two shapes (one tall, one wide) × 3 matrices each.
 BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
+#: Every matrix method, as the registry builds it.
+BUDGET_METHODS = ("muoneq", "muon", "muon_plus", "normuon", "adamuon", "mousse")
 
 
 def budgets_worker(rank: int, world: int) -> dict:
-    """The stacked step's aten operations and allocations after the first step, split between
-    DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards, for one
-    and for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, MuonEq-R,
-    whole shapes per chunk)."""
+    """Each method's step: its aten operations and allocations after the first step, split
+    between DDP ranks (replicated parameters with the same gradients) and as FSDP2 row shards,
+    stacked for two and six copies of :data:`BUDGET_SHAPES` (float32 Newton–Schulz, whole shapes
+    per chunk) and per matrix for two. The allocations of a third step too: Mousse's
+    (``precond_every=2``) refreshes its eigenbases there."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -183,21 +208,24 @@ def budgets_worker(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     results = {}
-    for path in ("ddp", "fsdp"):
-        for copies in (2, 6):
-            gen = torch.Generator().manual_seed(0)
-            values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
-            grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
-            place = ((lambda t: t) if path == "ddp"
-                     else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
-            params = [nn.Parameter(place(v)) for v in values]
-            for p, g in zip(params, grads, strict=True):
-                p.grad = place(g)
-            opt = MuonEq(params, lr=0.02, ns_dtype="float32", batching="stacked",
-                         workspace_limit=None)
-            opt.step()
-            seen = dispatched(opt.step)
-            results[(path, copies)] = (dict(seen.ops), seen.allocated)
+    runs = [("stacked", 2), ("stacked", 6), ("per_matrix", 2)]
+    for path, method, (batching, copies) in itertools.product(("ddp", "fsdp"), BUDGET_METHODS,
+                                                              runs):
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+        grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
+        place = ((lambda t: t) if path == "ddp"
+                 else (lambda t: distribute_tensor(t, mesh, [Shard(0)])))
+        params = [nn.Parameter(place(v)) for v in values]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = place(g)
+        opt = build_optimizer(method, [{"params": params}], lr=0.02, ns_dtype="float32",
+                              batching=batching, workspace_limit=None,
+                              **METHOD_OPTIONS.get(method, {}))
+        opt.step()
+        seen, refreshing = dispatched(opt.step), dispatched(opt.step)
+        results[(path, method, batching, copies)] = (dict(seen.ops),
+                                                     seen.allocated + refreshing.allocated)
     return results
 
 
@@ -233,13 +261,12 @@ def test_ddp_matches_one_process_on_every_rank(ddp_results, kind, split):
             assert torch.equal(a, b), "ranks must end with identical parameters"
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results):
+def assert_split_within_the_bound(shares: list[float]) -> None:
+    """Every matrix stepped once, by one owner, each rank's share of the FLOPs at most
+    total/W plus the largest matrix's."""
     shapes = [(p.shape[0], math.prod(p.shape[1:])) for p in make_model().parameters()
               if p.ndim >= 2]
     costs = [ns_flops(s, 5) for s in shapes]
-    shares = [ddp_results[r]["flops"] for r in range(WORLD)]
     assert sum(shares) == pytest.approx(sum(costs))
     assert all(share > 0 for share in shares)
     assert max(shares) <= sum(costs) / WORLD + max(costs)
@@ -247,31 +274,52 @@ def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_stacked_ddp_run_equals_the_single_process_stacked_run(ddp_results):
-    """Owners step contiguous runs of the same plan: every weight bit for bit as one process."""
-    want = single_process("RC/stacked")
-    for r in range(WORLD):
-        for a, b in zip(ddp_results[r][("RC/stacked", "auto")], want, strict=True):
-            assert torch.equal(a, b)
-
-
-#: aten operations of a DDP-split and of an FSDP2 stacked step on :data:`BUDGET_SHAPES` (the
-#: busier rank's, which steps parts of both shapes; the same for three times the matrices,
-#: whose owners cut the same shapes): the one-process step's prologue, Newton–Schulz and
-#: update, the copies in and out of the exchange buffers and the collectives.
-DISTRIBUTED_BUDGETS = {"ddp": 68, "fsdp": 81}
+@pytest.mark.parametrize("kind", COUNTED)
+def test_ddp_ranks_split_the_flops_within_the_bound(ddp_results, kind):
+    assert_split_within_the_bound([ddp_results[r][("flops", kind)] for r in range(WORLD)])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["ddp", "fsdp"])
-def test_a_distributed_stacked_step_keeps_its_budget_and_allocates_nothing(spawned, path):
+@pytest.mark.parametrize("kind", ["RC/stacked", *(f"{name}/stacked" for name in METHODS)])
+def test_a_stacked_ddp_run_equals_the_single_process_stacked_run(ddp_results, kind):
+    """Owners step contiguous runs of the same plan: every weight bit for bit as one process,
+    and every rank's state (a method's own state updated by the owners of its matrices)."""
+    want, want_state = single_process(kind, with_state=True)
     for r in range(WORLD):
-        (ops, allocated), (more_ops, more_allocated) = (spawned[r]["budgets"][(path, copies)]
-                                                        for copies in (2, 6))
-        assert allocated == [] and more_allocated == []
+        for a, b in zip(ddp_results[r][(kind, "auto")], want, strict=True):
+            assert torch.equal(a, b)
+        for got, state in zip(ddp_results[r][(kind, "auto", "state")], want_state, strict=True):
+            assert got.keys() == state.keys()
+            for key in state:
+                assert torch.equal(got[key], state[key]), key
+
+
+#: aten operations of a DDP-split and of an FSDP2 stacked step of each method on
+#: :data:`BUDGET_SHAPES` (the busier rank's, which steps parts of both shapes; the same for
+#: three times the matrices, whose owners cut the same shapes): the one-process step's
+#: prologue, the method's rule, Newton–Schulz and update, the copies in and out of the
+#: exchange buffers (a method's state travels in them too) and the collectives.
+DISTRIBUTED_BUDGETS = {
+    "ddp": {"muoneq": 64, "muon": 52, "muon_plus": 78, "normuon": 83, "adamuon": 100,
+            "mousse": 139},
+    "fsdp": {"muoneq": 78, "muon": 64, "muon_plus": 91, "normuon": 107, "adamuon": 135,
+             "mousse": 237},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("method", BUDGET_METHODS)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_a_distributed_step_keeps_its_budget_and_allocates_nothing(spawned, path, method):
+    for r in range(WORLD):
+        (ops, allocated), (more_ops, more_allocated), (_, per_matrix) = (
+            spawned[r]["budgets"][(path, method, batching, copies)]
+            for batching, copies in [("stacked", 2), ("stacked", 6), ("per_matrix", 2)])
+        assert allocated == [] and more_allocated == [] and per_matrix == []
         assert ops == more_ops, "the operations grow with the shapes, not with the matrices"
-        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path], ops
+        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path][method], ops
 
 
 @pytest.mark.distributed
@@ -283,7 +331,7 @@ def test_ddp_split_refuses_ranks_with_different_gradients(ddp_results):
 
 
 # ----------------------------------------------------------------------------- FSDP2
-FSDP_CASES = ["R", "RC/stacked", "none", "normuon", "mousse"]
+FSDP_CASES = ["R", "RC/stacked", "none", *(f"{name}/stacked" for name in METHODS)]
 
 
 def fsdp_worker(rank: int, world: int) -> dict:
@@ -291,7 +339,7 @@ def fsdp_worker(rank: int, world: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -311,6 +359,7 @@ def fsdp_worker(rank: int, world: int) -> dict:
         opt = build(kind, model)
         train(model, opt, STEPS)
         results[kind] = full(model)
+        results[(kind, "state")] = matrix_state(model, opt)
         if kind == "R":
             layouts = []
             for p in model.parameters():
@@ -318,25 +367,40 @@ def fsdp_worker(rank: int, world: int) -> dict:
                 layouts.append(isinstance(buf, DTensor) and buf.placements == (Shard(0),)
                                and buf.to_local().shape == p.to_local().shape)
             results["momentum_sharded"] = layouts
+        if kind == "mousse/stacked":  # its own state: by its rows, the counts replicated
+            results["state_sharded"] = [
+                isinstance(t, DTensor) and t.placements == ((Shard(0),) if t.ndim
+                                                            else (Replicate(),))
+                and t.to_local().shape == (
+                    (shard_rows(t.shape[0], world)[rank][1], *t.shape[1:]) if t.ndim else ())
+                for p in model.parameters() if p.ndim >= 2
+                for key, t in opt.state[p].items() if key != "momentum_buffer"]
+
+    for kind in COUNTED:
+        model = sharded_model()
+        opt = counting(kind, model)
+        train(model, opt, 1)
+        results[("flops", kind)] = opt.flops
 
     # distributed checkpoint: save after 2 steps, resume in fresh objects, compare
-    model = sharded_model()
-    opt = build("RC", model)
-    train(model, opt, 2)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    ckpt = os.environ["MUONEQ_TEST_DCP"]
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
-    train(model, opt, 2, first=2)
-    results["straight"] = full(model)
-    resumed = sharded_model()
-    opt2 = build("RC", resumed)
-    model_sd, optim_sd = get_state_dict(resumed, opt2)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(resumed, opt2, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    train(resumed, opt2, 2, first=2)
-    results["resumed"] = full(resumed)
+    for kind in DCP_CASES:
+        model = sharded_model()
+        opt = build(kind, model)
+        train(model, opt, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        ckpt = os.path.join(os.environ["MUONEQ_TEST_DCP"], kind.replace("/", "_"))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+        train(model, opt, 2, first=2)
+        results[(kind, "straight")] = full(model)
+        resumed = sharded_model()
+        opt2 = build(kind, resumed)
+        model_sd, optim_sd = get_state_dict(resumed, opt2)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(resumed, opt2, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        train(resumed, opt2, 2, first=2)
+        results[(kind, "resumed")] = full(resumed)
     return results
 
 
@@ -344,26 +408,49 @@ def fsdp_worker(rank: int, world: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", FSDP_CASES)
 def test_fsdp2_matches_one_process(fsdp_results, kind):
-    want = single_process(kind)
+    """The weights, and the state gathered whole (a method's own included: updated by the
+    owners of its matrices, sharded by rows), as one process ends."""
+    want, want_state = single_process(kind, with_state=True)
     for r in range(WORLD):
         assert max_rel_diff(fsdp_results[r][kind], want) <= TOLERANCE
+        for got, state in zip(fsdp_results[r][(kind, "state")], want_state, strict=True):
+            assert got.keys() == state.keys()
+            for key in state:
+                assert max_rel_diff([got[key]], [state[key]]) <= TOLERANCE, key
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_state_is_sharded_like_its_parameter(fsdp_results):
+    """The momentum as its parameter; a method's own state by the rows of its own first
+    dimension (Mousse's ``R``, ``Q_R``: ``n × n``), its step counts replicated."""
     for r in range(WORLD):
         assert all(fsdp_results[r]["momentum_sharded"])
+        assert all(fsdp_results[r]["state_sharded"])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_distributed_checkpoint_round_trip(fsdp_results):
-    want = single_process("RC", steps=4)
+@pytest.mark.parametrize("kind", COUNTED)
+def test_fsdp2_owners_split_the_flops_within_the_bound(fsdp_results, kind):
+    assert_split_within_the_bound([fsdp_results[r][("flops", kind)] for r in range(WORLD)])
+
+
+#: Runs saved with ``torch.distributed.checkpoint`` and resumed: MuonEq, and Mousse (state of
+#: every layout: sharded by its rows, ``n × n``, replicated step counts)
+DCP_CASES = ["RC", "mousse/stacked"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DCP_CASES)
+def test_fsdp2_distributed_checkpoint_round_trip(fsdp_results, kind):
+    want = single_process(kind, steps=4)
     for r in range(WORLD):
-        for a, b in zip(fsdp_results[r]["resumed"], fsdp_results[r]["straight"], strict=True):
+        for a, b in zip(fsdp_results[r][(kind, "resumed")], fsdp_results[r][(kind, "straight")],
+                        strict=True):
             assert torch.equal(a, b)
-        assert max_rel_diff(fsdp_results[r]["straight"], want) <= TOLERANCE
+        assert max_rel_diff(fsdp_results[r][(kind, "straight")], want) <= TOLERANCE
 
 
 # ----------------------------------------------------------------------------- stored layouts
@@ -380,27 +467,41 @@ def layout_optimizer(groups, batching: str):
                   batching=batching)
 
 
+#: Transposed one-matrix layouts under the methods with state of their own (stacked): state in
+#: the matrix view, whose rows are the stored columns, and Mousse's gradients staged oriented.
+METHOD_LAYOUT_CASES = [c for c in CASES if c.id in ("conv1d", "conv_transpose")]
+METHOD_LAYOUT_METHODS = ("adamuon", "mousse")
+
+
+def method_optimizer(groups, method: str):
+    return build_optimizer(method, groups, lr=0.02, ns_dtype="float32", batching="stacked",
+                           **METHOD_OPTIONS.get(method, {}))
+
+
 def layouts_worker(rank: int, world: int) -> dict:
     """Each case under the DDP split (the same gradients on every rank, as DDP leaves them)
-    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked."""
+    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked; and the method
+    cases. One parameter: one rank owns it, the other steps nothing."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
+    runs = [*((case, functools.partial(layout_optimizer, batching=batching), batching)
+              for case in LAYOUT_CASES for batching in LAYOUT_BATCHING),
+            *((case, functools.partial(method_optimizer, method=method), method)
+              for case in METHOD_LAYOUT_CASES for method in METHOD_LAYOUT_METHODS)]
     results = {}
-    for case in LAYOUT_CASES:
-        for batching in LAYOUT_BATCHING:
-            for path in ("ddp", "fsdp"):
-                def place(t, path=path):
-                    return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
+    for (case, make, name), path in itertools.product(runs, ("ddp", "fsdp")):
+        def place(t, path=path):
+            return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
 
-                p = nn.Parameter(place(case.stored(initial_blocks(case))))
-                opt = layout_optimizer([{"params": [p], **case.keys}], batching)
-                for t in range(STEPS):
-                    p.grad = place(case.stored(block_grads(case, t)))
-                    opt.step()
-                whole = p.detach() if path == "ddp" else p.detach().full_tensor()
-                results[(case.id, batching, path)] = whole.clone()
+        p = nn.Parameter(place(case.stored(initial_blocks(case))))
+        opt = make([{"params": [p], **case.keys}])
+        for t in range(STEPS):
+            p.grad = place(case.stored(block_grads(case, t)))
+            opt.step()
+        whole = p.detach() if path == "ddp" else p.detach().full_tensor()
+        results[(case.id, name, path)] = whole.clone()
     return results
 
 
@@ -419,6 +520,22 @@ def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, ba
     for r in range(WORLD):
         got = spawned[r]["layouts"][(case.id, batching, path)]
         assert max_rel_diff([got], [want]) <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", METHOD_LAYOUT_CASES, ids=[c.id for c in METHOD_LAYOUT_CASES])
+@pytest.mark.parametrize("method", METHOD_LAYOUT_METHODS)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_methods_on_transposed_layouts_match_one_process(spawned, case, method, path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = run_separate(case, functools.partial(method_optimizer, method=method))
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(WORLD):
+        assert max_rel_diff([spawned[r]["layouts"][(case.id, method, path)]], [want]) <= TOLERANCE
 
 
 # ----------------------------------------------------------------------------- Lightning

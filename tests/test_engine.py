@@ -27,9 +27,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BUDGETS = {"gpt2_small": 122, "llama2_130m": 92, "resnet18": 302}
 #: The same for AdaMuon (the sign and its per-chunk update: second moment, bias correction on
 #: the device, RMS alignment) and Mousse on a step that refreshes no eigenbasis (per chunk the
-#: factors' update, whitening, the map back and the graft).
-METHOD_BUDGETS = {"adamuon": {"gpt2_small": 181, "llama2_130m": 136, "resnet18": 451},
-                  "mousse": {"gpt2_small": 338, "llama2_130m": 254, "resnet18": 842}}
+#: gradients stacked, the factors' update, whitening, the map back and the graft), every
+#: result written into the plan's buffers. With temporaries allocated per step: 181, 136, 451
+#: and 338, 254, 842.
+METHOD_BUDGETS = {"adamuon": {"gpt2_small": 174, "llama2_130m": 131, "resnet18": 432},
+                  "mousse": {"gpt2_small": 222, "llama2_130m": 167, "resnet18": 552}}
 MODES = ["none", "R", "C", "RC"]
 
 
@@ -257,6 +259,30 @@ def stepped_with(method: str, shapes, steps: int = 2):
     return opt
 
 
+@pytest.mark.parametrize("method", ["muon_plus", "normuon", "adamuon", "mousse"])
+@pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
+@pytest.mark.parametrize(("dtype", "ns_dtype"), [(torch.float32, "float32"),
+                                                 (torch.float32, "bfloat16"),
+                                                 (torch.bfloat16, "float32")])
+def test_no_method_allocates_after_the_first_step(method, batching, dtype, ns_dtype):
+    """A method's rule writes into the scratch it asked the plan for and into its banked
+    state: after the first step nothing is allocated, on either path, with Newton–Schulz in
+    another dtype than the accumulation's (its output cast into the chunk's stack) and with
+    bf16 parameters (state rounded through buffers of theirs). Mousse refreshes its
+    eigenbases at the third step (``precond_every=2``)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype))
+              for s in [(12, 8), (12, 8), (8, 20), (6, 2, 2, 2)]]
+    options = {"precond_every": 2} if method == "mousse" else {}
+    opt = build_optimizer(method, [{"params": params}], lr=0.02, batching=batching,
+                          ns_dtype=ns_dtype, workspace_limit=None, **options)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        seen = dispatched(opt.step)
+        assert step == 0 or seen.allocated == [], seen.allocated
+
+
 @pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
 def test_an_adamuon_step_reads_nothing_back_from_the_device(batching):
     """Its bias correction ``1 − β₂ᵗ`` is computed from the step counts on the device."""
@@ -414,3 +440,35 @@ def test_the_default_workspace_is_within_twice_torch_muons_extra_memory(name):
     assert round(planned / 2**20, 1) == mib
     assert sum(len(step.chunks) for step in steps) == chunks
     assert dispatched(opt.step).total == ops
+
+
+def test_the_gram_order_is_chosen_per_chunk_and_its_buffers_kept_within_the_limit():
+    """``ns_algorithm="gram"``: the chunks of 1:4 matrices take the Gram order (the FLOP rule),
+    the square ones the standard order; the Gram buffers are the plan's, counted in
+    ``workspace_bytes`` and bounded by ``workspace_limit`` as every other buffer; the bounded
+    plan steps as the unbounded one."""
+    from muoneq.newton_schulz import GramIteration, StackIteration
+
+    shapes = [(16, 64)] * 6 + [(16, 16)] * 2
+    results = []
+    for limit in (None, 60_000):
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                  for s in shapes]
+        opt = MuonEq(params, lr=0.05, ns_dtype="float64", ns_algorithm="gram",
+                     batching="stacked", workspace_limit=limit)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        chunks = [c for step in opt._planned().values() for c in step.chunks]
+        assert {c.shape: type(c.iteration) for c in chunks} == {(16, 64): GramIteration,
+                                                                (16, 16): StackIteration}
+        gram = sum(opt._workspace._flat[key].numel() * 8 for key in opt._workspace._flat
+                   if key[0].startswith("gram_"))
+        results.append((params, len(chunks), opt.workspace_bytes, gram))
+    (unbounded, few, big, gram), (bounded, many, small, _) = results
+    assert gram > 0 and big >= gram
+    assert small <= 60_000 < big and many > few
+    for a, b in zip(bounded, unbounded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -119,6 +119,20 @@ def test_triton_backends_on_cuda_step_as_torchs_within_bf16_rounding(backend):
         assert (a - b).abs().max() < 3 * 0.02 * 0.2 * 96**0.5 * 2e-2
 
 
+def test_auto_keeps_the_gram_order_where_the_flop_rule_chose_it():
+    """``ns_backend="auto"`` times torch against Triton on the standard order only: a chunk the
+    FLOP rule gave the Gram order keeps it (its buffers are the Gram order's), and steps as
+    ``ns_backend="torch"`` does, within bf16 rounding (the square matrix may run on Triton)."""
+    pytest.importorskip("triton")
+
+    def make(backend):
+        return lambda ps: MuonEq(ps, lr=0.02, ns_algorithm="gram", ns_backend=backend)
+
+    ours, theirs = steps_of(make("auto"), "cuda"), steps_of(make("torch"), "cuda")
+    for a, b in zip(ours, theirs, strict=True):  # three steps of 0.02·0.2·√96 each
+        assert (a - b).abs().max() < 3 * 0.02 * 0.2 * 96**0.5 * 2e-2
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_stacked_cuda_step_allocates_no_device_memory_after_the_first(backend):
     if backend == "triton":

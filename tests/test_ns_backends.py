@@ -255,8 +255,21 @@ def test_a_launch_records_its_configuration_and_offsets_the_stack_in_64_bits(ker
 
 
 def test_a_backend_that_cannot_run_the_gram_order_is_one_line():
-    with pytest.raises(ValueError, match=r"^ns_algorithm: 'gram' runs on torch's products; "
-                                         r"ns_backend=mine runs the standard order only"):
-        def mine(X, coefficients):
-            return X
+    """Wherever the two meet — the constructor, a group changed later, ``newton_schulz`` —
+    never the Gram order silently in place of the backend asked for."""
+    def mine(X, coefficients):
+        return X
+
+    message = r"^ns_algorithm: 'gram' runs on torch's products; ns_backend={} runs the standard"
+    with pytest.raises(ValueError, match=message.format("mine")):
         MuonEq([nn.Parameter(torch.randn(4, 8))], ns_algorithm="gram", ns_backend=mine)
+    with pytest.raises(ValueError, match=message.format("'triton'")):
+        MuonEq([nn.Parameter(torch.randn(4, 8))], ns_algorithm="gram", ns_backend="triton")
+    p = nn.Parameter(torch.randn(4, 16))
+    p.grad = torch.randn(4, 16)
+    opt = MuonEq([p], ns_backend=mine)
+    opt.param_groups[0]["ns_algorithm"] = "gram"
+    with pytest.raises(ValueError, match=message.format("mine")):
+        opt.step()
+    with pytest.raises(ValueError, match=message.format("mine")):
+        newton_schulz(torch.randn(4, 16), algorithm="gram", backend=mine)

@@ -5,7 +5,9 @@ constructor to the Newton–Schulz iteration without a ``locals()`` or a partial
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
+import textwrap
 import traceback
 
 import torch
@@ -14,6 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import muoneq
 from muoneq import MuonEq
+from muoneq.functional import step_stacks
+from muoneq.newton_schulz import MatrixIteration, StackIteration, ns_settings, resolve_schedule
+from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
 
 PACKAGE = pathlib.Path(muoneq.__file__).parent
 
@@ -58,3 +63,42 @@ def test_ns_steps_reaches_the_iteration_in_plain_sight():
                 assert ast.unparse(node.func) != "locals", path
             if isinstance(node, ast.Attribute):
                 assert node.attr != "keywords", path
+
+
+#: ``ns_steps`` from the constructor to the iteration, as a reader follows it: each hop a
+#: function, a call it makes and the argument that carries the setting on (as written).
+NS_STEPS_HOPS = [
+    (MuonEq.__init__, "super().__init__", "**shared"),
+    (HybridOrthogonalOptimizer.__init__, "dict", "ns_steps=given['ns_steps']"),
+    (HybridOrthogonalOptimizer.__init__, "super().__init__", "defaults"),  # the param groups
+    (HybridOrthogonalOptimizer._stack_settings, "ns_settings", "group['ns_steps']"),
+    (ns_settings, "resolve_schedule", "steps"),
+    (resolve_schedule, "NSSchedule", "(QUINTIC,) * ns_steps"),
+    (HybridOrthogonalOptimizer.step, "dict", "ns=settings.ns"),
+    (HybridOrthogonalOptimizer.step, "step_stacks", "**arguments"),
+    (step_stacks, "chunk.iteration.iterate", "ns.schedule.coefficients"),
+    (StackIteration.iterate, "newton_schulz_step", "a"),
+    (MatrixIteration.iterate, "newton_schulz_step", "a"),
+]
+
+
+def passes(function, callee: str, argument: str) -> bool:
+    """``function``'s source calls ``callee`` with ``argument`` among its arguments."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return any(ast.unparse(call.func) == callee
+               and argument in [ast.unparse(a) for a in (*call.args, *call.keywords)]
+               for call in ast.walk(tree) if isinstance(call, ast.Call))
+
+
+def test_a_static_walk_of_ns_steps_from_the_constructor_reaches_the_iteration():
+    """Read, not run: ``ns_steps`` is a shared keyword (``Shared``), goes into the groups'
+    defaults, into the group's frozen ``NSSettings`` (its schedule: one ``(a, b, c)`` per step),
+    which the step hands ``step_stacks``, whose chunk's iteration loops over those
+    coefficients calling the Newton–Schulz step."""
+    assert "ns_steps" in Shared.__annotations__
+    for function, callee, argument in NS_STEPS_HOPS:
+        assert passes(function, callee, argument), (function.__qualname__, callee, argument)
+    for iteration in (StackIteration, MatrixIteration):
+        loops = [ast.unparse(node.iter) for node in ast.walk(ast.parse(textwrap.dedent(
+            inspect.getsource(iteration.iterate)))) if isinstance(node, ast.For)]
+        assert loops[0] in ("coefficients", "enumerate(coefficients)"), loops

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import Request
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, decay, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
@@ -69,34 +69,32 @@ class AdaMuon(HybridOrthogonalOptimizer):
     banked_state = {"exp_avg_sq": Banked(lambda layout: layout.matrix),
                     "step": Banked(lambda layout: (), dtype=lambda _: torch.float32)}
 
-    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
-        super()._init_matrix_state(p, state, group)
-        if "exp_avg_sq" not in state:  # a DTensor's (the banks hold the others', at zero)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg_sq"] = p.new_zeros(MatrixLayout.of(p, group).matrix)
-
     def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
         return torch.sign(M, out=out) if group["sign_momentum"] else M
 
     finishes_in_ns_dtype = False
 
-    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
-        return self._adapted(O, segment.state["exp_avg_sq"], segment.state["step"], group,
-                             segment.momentum.dtype)
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]:
+        accumulate = torch.promote_types(dtype, torch.float32)
+        elements = [("elements", (count, *shape), accumulate)]
+        if dtype != accumulate:  # O⊙O rounded to V's dtype
+            elements.append(("squares", (count, *shape), dtype))
+        return [*elements, ("correction", (count,), accumulate), ("norm", (count, 1, 1),
+                                                                  accumulate)]
 
-    @staticmethod
-    def _adapted(O: Tensor, v: Tensor, step: Tensor, group: dict, dtype: torch.dtype) -> Tensor:
-        """``V``'s update and the adaptive, RMS-aligned direction of one ``O`` (its ``V`` and
-        0-d ``step``) or a stack (``(k, m, n)``, steps ``(k,)``), in float32 at least
-        (``dtype``: the parameters'). The bias correction ``1 − β₂ᵗ`` is computed on the
-        device, as ``−expm1(t·ln β₂)`` (no host read; exact to rounding where ``1 − β₂ᵗ`` is
-        small)."""
-        beta2, eps = group["beta2"], group["eps"]
-        O = O.to(torch.promote_types(dtype, torch.float32))
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        """``V``'s update and the adaptive, RMS-aligned direction (class docstring) of a stack
+        ``O`` ``(k, m, n)`` with its ``V`` and steps ``(k,)``, in ``O`` and the scratch. The
+        bias correction ``1 − β₂ᵗ`` is computed on the device, as ``−expm1(t·ln β₂)`` (no host
+        read; exact to rounding where ``1 − β₂ᵗ`` is small)."""
+        beta2, eps, scratch = group["beta2"], group["eps"], segment.scratch
+        v, step, elements = segment.state["exp_avg_sq"], segment.state["step"], scratch["elements"]
         step.add_(1)
-        v.lerp_(O.square().to(v.dtype), 1 - beta2)
+        v.lerp_(torch.square(O, out=elements if v.dtype == elements.dtype else scratch["squares"]),
+                1 - beta2)
         log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
-        correction = torch.expm1(step.to(O.dtype) * log_beta2).neg_()
-        adapted = O / ((v.to(O.dtype) / correction[..., None, None]).sqrt() + eps)
-        norm = torch.linalg.vector_norm(adapted, dim=(-2, -1), keepdim=True)
-        return adapted.mul_(math.sqrt(min(O.shape[-2:])) / (norm + eps))
+        correction = scratch["correction"].copy_(step).mul_(log_beta2).expm1_().neg_()
+        O.div_(elements.copy_(v).div_(correction[:, None, None]).sqrt_().add_(eps))
+        norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True, out=scratch["norm"])
+        return O.mul_(norm.add_(eps).reciprocal_().mul_(math.sqrt(min(O.shape[-2:]))))

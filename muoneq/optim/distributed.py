@@ -4,12 +4,15 @@ group's plan, :mod:`muoneq.optim.plan`), and the directions travel in buffers pl
 
 * :class:`Split` — replicated parameters under DDP: the owners' matrices are contiguous runs of
   the plan's order, balanced by FLOPs (:func:`balance`); one ``all_gather`` gives every rank
-  every direction, which it applies chunk by chunk, as one process does;
+  every direction, which it applies chunk by chunk, as one process does, and the state a
+  method keeps of its own (NorMuon's, AdaMuon's, Mousse's), which only the owner updates:
+  every rank holds all of it, as one process would;
 * :class:`Sharded` — row-sharded ``DTensor`` parameters (FSDP2's ``fully_shard``): one
-  ``all_to_all`` sends each rank's rows of ``M̃`` to the matrix's owner, which assembles the
-  whole matrices in banks of its own, steps them, and a second ``all_to_all`` returns each
-  rank its rows of the directions (the scheme of microsoft/dion). A method with state of its
-  own (NorMuon, AdaMuon, Mousse) has every rank own every matrix.
+  ``all_to_all`` sends each rank's rows of ``M̃`` (with its rows of the method's state, and of
+  the gradients where the method reads them) to the matrix's owner, which assembles the whole
+  matrices in banks of its own, steps them, and a second ``all_to_all`` returns each rank its
+  rows of the directions and of the updated state (the scheme of microsoft/dion), which stays
+  sharded as the parameter is.
 
 Newton–Schulz costs ``K·(4m²n + 2m³)`` FLOPs per m×n matrix (m ≤ n; see
 :func:`muoneq.newton_schulz.ns_flops`) and DiagPre needs the whole matrix (column sums span
@@ -48,7 +51,9 @@ from muoneq.optim.plan import (
     chunk_of,
     is_dtensor,
     local,
+    promoted,
     runs_of,
+    shard_rows,
 )
 
 #: ``all_gather_single`` (torch ≥ 2.14) is the new name of ``all_gather_into_tensor``.
@@ -67,12 +72,6 @@ def balance(costs: Sequence[float], world: int) -> list[int]:
         owners.append(min(world - 1, int(middle * world / total)) if total > 0 else 0)
         before += cost
     return owners
-
-
-def shard_rows(rows: int, world: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each rank's rows under ``Shard(0)`` (``torch.chunk``'s rule)."""
-    size = -(-rows // world)
-    return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
 
 
 def row_shard_dim(p: Tensor) -> int | None:
@@ -129,15 +128,19 @@ def check_same_gradients(grads: Sequence[Tensor], group) -> None:
 @dataclass(eq=False)
 class Split:
     """DDP's exchange of a group: the rank's owned runs of the plan, the buffer it sends (its
-    directions, in the NS dtype: nothing rounds twice) and the one it receives (every rank's),
-    and per chunk of the group's plan where its directions arrive (``(rows of the chunk's
-    stack, received view)``)."""
+    directions, in the NS dtype where the method finishes in it: nothing rounds twice, then
+    the updated state of the matrices it owns) and the one it receives (every rank's), per
+    chunk of the group's plan where its directions arrive (``(rows of the chunk's stack,
+    received view)``), and the copies of the owners' state in (``packs``: ``(state rows, send
+    view)``) and out (``unpacks``: ``(received view, state rows)``)."""
 
     group: object
     send: Tensor | None = None
     received: Tensor | None = None
     wires: list[Tensor] = field(default_factory=list)
     arrivals: list[list[tuple[slice, Tensor]]] = field(default_factory=list)
+    packs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    unpacks: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     #: owner of each unit (a parameter's blocks of one chunk), in the plan's order
     owners: list[int] = field(default_factory=list)
 
@@ -152,10 +155,9 @@ def _units(chunks: list[Chunk]) -> list[tuple[Chunk, Segment, int]]:
     return [(c, s, j) for c in chunks for s in c.segments for j in range(s.lo, s.hi)]
 
 
-def _owned_chunks(chunks: list[Chunk], owners: list[int], rank: int, settings: StackSettings,
-                  workspace: Workspace) -> list[Chunk]:
-    """The runs of ``chunks`` this rank owns, as chunks of their own (reserved in
-    ``workspace``, whose buffers they share with the plan's)."""
+def _owned_segments(chunks: list[Chunk], owners: list[int], rank: int) -> list[list[Segment]]:
+    """Per chunk, the segments of the parameters ``rank`` owns (contiguous runs of each of the
+    chunk's segments), with their rows of the banks' state."""
     owned, index = [], 0
     for chunk in chunks:
         segments = []
@@ -169,8 +171,7 @@ def _owned_chunks(chunks: list[Chunk], owners: list[int], rank: int, settings: S
                 segments.append(Segment(bank, segment.split, lo, hi, bank.params[lo:hi],
                                         bank.momentum[lo:hi],
                                         {key: t[lo:hi] for key, t in bank.state.items()}))
-        if segments:
-            owned.append(chunk_of(segments, settings, workspace))
+        owned.append(segments)
     return owned
 
 
@@ -180,17 +181,21 @@ def _split_costs(chunks: list[Chunk], ns: NSSettings) -> list[float]:
 
 
 def _plan_split(split: Split, chunks: list[Chunk], settings: StackSettings,
-                workspace: Workspace) -> list[Chunk]:
+                workspace: Workspace, rule: Rule) -> list[Chunk]:
+    """The chunks of the runs this rank owns (reserved in ``workspace``, whose buffers they
+    share with the plan's)."""
     world, rank = dist.get_world_size(split.group), dist.get_rank(split.group)
     split.owners = balance(_split_costs(chunks, settings.ns), world)
-    return _owned_chunks(chunks, split.owners, rank, settings, workspace)
+    return [chunk_of(segments, settings, workspace, rule)
+            for segments in _owned_segments(chunks, split.owners, rank) if segments]
 
 
 def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
                  settings: StackSettings) -> None:
-    """The send and receive buffers, each owned chunk's view of the send buffer, and where each
-    chunk's directions arrive."""
-    world = dist.get_world_size(split.group)
+    """The send and receive buffers — each rank's part its directions, then the state of the
+    matrices it owns —, each owned chunk's view of the send buffer, where each chunk's
+    directions arrive, and the copies of the state in and out."""
+    world, rank = dist.get_world_size(split.group), dist.get_rank(split.group)
     units = _units(chunks)
     sizes = [s.bank.layout.count * math.prod(c.shape) for c, s, _ in units]
     filled = [0] * world
@@ -198,6 +203,13 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
     for size, owner in zip(sizes, split.owners, strict=True):
         offsets.append(filled[owner])
         filled[owner] += size
+    states = []  # (owner, state rows, offset in its part)
+    for owner in range(world):
+        for segment in (s for segments in _owned_segments(chunks, split.owners, owner)
+                        for s in segments):
+            for rows in segment.state.values():
+                states.append((owner, rows, filled[owner]))
+                filled[owner] += rows.numel()
     width = max(filled)
     device = chunks[0].stack.device
     dtype = settings.wire or settings.ns.dtype
@@ -208,6 +220,14 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
         size = chunk.count * math.prod(chunk.shape)
         split.wires.append(split.send[cursor : cursor + size].view(chunk.count, *chunk.shape))
         cursor += size
+    split.packs, split.unpacks = [], []
+    for owner, rows, at in states:
+        if owner == rank:
+            split.packs.append((rows, split.send[at : at + rows.numel()].view(rows.shape)))
+        else:
+            start = owner * width + at
+            split.unpacks.append((split.received[start : start + rows.numel()].view(rows.shape),
+                                  rows))
     split.arrivals, u = [], 0
     for chunk in chunks:
         runs: list[list[int]] = []  # [first row, last row, start in received, owner]
@@ -229,10 +249,61 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
 
 # ----------------------------------------------------------------------------- FSDP2
 @dataclass(eq=False)
+class Trip:
+    """One ``all_to_all_single``: the buffer sent and the one received, each grouped by peer
+    rank (``send_counts``, ``recv_counts`` elements), the copies into the sent buffer before
+    (``packs``: ``(source, view)``) and out of the received one after (``unpacks``: ``(view,
+    target)``)."""
+
+    send: Tensor
+    received: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    packs: list[tuple[Tensor, Tensor]]
+    unpacks: list[tuple[Tensor, Tensor]]
+
+    def run(self, group) -> None:
+        for source, view in self.packs:
+            view.copy_(source)
+        dist.all_to_all_single(self.received, self.send, self.recv_counts, self.send_counts,
+                               group=group)
+        for view, target in self.unpacks:
+            target.copy_(view)
+
+
+#: Per peer rank, the parts of one side of a :class:`Trip` in order: ``(shape, tensor)``, the
+#: tensor copied in (sent) or out (received); ``None``: the step writes the sent view itself.
+Parts = list[list[tuple[tuple[int, ...], Tensor | None]]]
+
+
+def _trip(sent: Parts, received: Parts, dtype: torch.dtype, device: torch.device
+          ) -> tuple[Trip, list[Tensor]]:
+    """The :class:`Trip` of ``sent`` and ``received``, and the sent views the step writes
+    (the parts without a tensor), in order."""
+
+    def carve(side: Parts) -> tuple[Tensor, list[int], list[tuple[Tensor, Tensor | None]]]:
+        counts = [sum(math.prod(shape) for shape, _ in parts) for parts in side]
+        flat = torch.empty(sum(counts), dtype=dtype, device=device)
+        views, at = [], 0
+        for shape, tensor in (part for parts in side for part in parts):
+            views.append((flat[at : at + math.prod(shape)].view(shape), tensor))
+            at += math.prod(shape)
+        return flat, counts, views
+
+    send, send_counts, sent_views = carve(sent)
+    receive, recv_counts, received_views = carve(received)
+    trip = Trip(send, receive, send_counts, recv_counts,
+                [(t, v) for v, t in sent_views if t is not None], received_views)
+    return trip, [v for v, t in sent_views if t is None]
+
+
+@dataclass(eq=False)
 class Sharded:
     """FSDP2's exchange of a group: who owns each parameter, the whole banks this rank assembles
-    for the parameters it owns (one per run of a bank's parameters), and the four buffers of
-    the two ``all_to_all`` calls with the copies in and out of them."""
+    for the parameters it owns (one per run of a bank's parameters: ``M̃``, the method's state,
+    and the gradients where it reads them), and the two trips (:class:`Trip`): ``there``, each
+    rank's rows of those to their owners, and ``back``, the owners' directions and updated
+    state to each rank, its rows."""
 
     plan: GroupPlan
     mesh: object
@@ -240,24 +311,16 @@ class Sharded:
     #: owner rank of each parameter (``id``), and the parameters with a gradient
     owners: dict[int, int]
     present: set[int]
-    #: every rank owns every matrix (a method with state of its own)
-    everyone: bool
+    #: the method reads whole gradients (they travel with ``M̃``)
+    gradient: bool
     banks: list[Bank] = field(default_factory=list)
-    send: Tensor | None = None
-    received: Tensor | None = None
-    back: Tensor | None = None
-    returned: Tensor | None = None
-    send_counts: list[int] = field(default_factory=list)
-    recv_counts: list[int] = field(default_factory=list)
-    #: ``(parameters, their momentum rows, send view)``: this rank's rows of ``M̃`` of a run,
-    #: to its owner
-    outgoing: list[tuple[list[Tensor], Tensor, Tensor]] = field(default_factory=list)
-    #: ``(received view, whole bank rows)``: a peer's rows of a run this rank owns
-    assembling: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    #: ``(whole bank rows, back view)``: an owned run's directions, a peer's rows
-    returning: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    #: ``(returned view, local directions)``: this rank's rows of a run's directions
-    arriving: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    there: Trip | None = None
+    back: Trip | None = None
+    #: ``(parameters, their momentum rows, M̃ view, gradient view)``: what this rank forms in
+    #: ``there``'s send buffer for a run (the gradients' view ``None`` unless the method reads
+    #: them)
+    outgoing: list[tuple[list[Tensor], Tensor, Tensor, Tensor | None]] = field(
+        default_factory=list)
     #: this rank's rows of each local bank's directions, in the parameters' dtype
     directions: list[Tensor] = field(default_factory=list)
     #: the local update: per block shape ``(a, params' pieces, directions' pieces)``
@@ -265,8 +328,11 @@ class Sharded:
 
     @property
     def buffers(self) -> list[Tensor]:
-        return [t for t in (self.send, self.received, self.back, self.returned,
-                            *self.directions) if t is not None]
+        trips = [t for trip in (self.there, self.back) if trip is not None
+                 for t in (trip.send, trip.received)]
+        assembled = [t for bank in self.banks
+                     for t in (*bank.state.values(), bank.gradient) if t is not None]
+        return [*trips, *assembled, *self.directions]
 
     @property
     def group(self):
@@ -281,7 +347,7 @@ class Sharded:
         return self.mesh.get_local_rank(self.dim)
 
     @classmethod
-    def of(cls, plan: GroupPlan, present: Sequence[bool], *, everyone: bool) -> Sharded:
+    def of(cls, plan: GroupPlan, present: Sequence[bool], *, gradient: bool) -> Sharded:
         """The owners of a sharded group's parameters (balanced by FLOPs, over the plan's
         banks in order) and the whole banks of the runs this rank owns."""
         p0 = plan.params[0]
@@ -293,22 +359,26 @@ class Sharded:
         owners = balance(costs, mesh.size(dim))
         sharded = cls(plan, mesh, dim, {id(p): o for p, o in zip(ordered, owners, strict=True)},
                       {id(p) for p, ok in zip(plan.params, present, strict=True) if ok},
-                      everyone)
+                      gradient)
         for bank in plan.banks:
+            like = {"device": bank.momentum.device}
             for lo, hi in sharded.runs(bank, sharded.rank):
                 whole = torch.empty((hi - lo, *bank.layout.stored), dtype=bank.momentum.dtype,
-                                    device=bank.momentum.device)
-                sharded.banks.append(Bank(bank.params[lo:hi], bank.layout, whole,
-                                          {key: t[lo:hi] for key, t in bank.state.items()},
-                                          gather=whole, assembled=True))
+                                    **like)
+                state = {key: torch.empty((hi - lo, *bank.shapes[key]), dtype=t.dtype, **like)
+                         for key, t in bank.state.items()}
+                gradients = (torch.empty((hi - lo, *bank.layout.stored), dtype=bank.accumulate,
+                                         **like) if gradient else None)
+                sharded.banks.append(Bank(bank.params[lo:hi], bank.layout, whole, state,
+                                          dict(bank.shapes), gather=whole, assembled=True,
+                                          gradient=gradients))
         return sharded
 
     def runs(self, bank: Bank, peer: int) -> list[tuple[int, int]]:
         """``(lo, hi)`` of each run of the bank's parameters with a gradient that ``peer``
         steps."""
-        flags = [id(p) in self.present and (self.everyone or self.owners[id(p)] == peer)
-                 for p in bank.params]
-        return runs_of(flags)
+        return runs_of([id(p) in self.present and self.owners[id(p)] == peer
+                        for p in bank.params])
 
 
 def computed_banks(plan: GroupPlan, exchange) -> list[Bank]:
@@ -318,11 +388,11 @@ def computed_banks(plan: GroupPlan, exchange) -> list[Bank]:
 
 
 def plan_exchange(exchange, chunks: list[Chunk], settings: StackSettings,
-                  workspace: Workspace) -> list[Chunk]:
+                  workspace: Workspace, rule: Rule) -> list[Chunk]:
     """DDP: the chunks of the runs this rank owns (reserved in ``workspace``); otherwise
     none."""
     if isinstance(exchange, Split):
-        return _plan_split(exchange, chunks, settings, workspace)
+        return _plan_split(exchange, chunks, settings, workspace, rule)
     return []
 
 
@@ -336,50 +406,54 @@ def carve_exchange(exchange, chunks: list[Chunk], owned: list[Chunk],
 
 
 def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
-    """Buffers of the two ``all_to_all`` calls — ``M̃`` in the accumulation dtype, directions in
-    the NS dtype — grouped by peer rank, and within a peer by the runs the peer steps in the
-    plan's bank order (``(k, rows, …)`` each): the same order on the sending and the owning
-    side."""
+    """The two trips, grouped by peer rank and within a peer by the runs the owner steps in the
+    plan's bank order, the same order on the sending and the owning side: per run ``M̃`` (and
+    the gradients) in the accumulation dtype, then each state's rows, ``there``; the
+    directions (in the NS dtype where the method finishes in it) and each state's rows,
+    ``back``. A state's rows are those of its own first dimension (its ``Shard(0)``); a 0-d
+    state travels whole from every rank and to every rank."""
     plan, world = sharded.plan, sharded.world
     bank0 = plan.banks[0]
-    device, accumulate = bank0.momentum.device, bank0.accumulate
-    outgoing, assembling = [], []
-    send_counts, recv_counts, sent, received = [], [], 0, 0
-    for peer in range(world):
-        start = sent
-        for bank in plan.banks:
-            for lo, hi in sharded.runs(bank, peer):
-                outgoing.append((bank, lo, hi, sent))
-                sent += (hi - lo) * math.prod(bank.momentum.shape[1:])
-        send_counts.append(sent - start)
-        start = received
-        for whole in sharded.banks:
-            first, rows = shard_rows(whole.layout.stored[0], world)[peer]
-            assembling.append((whole, first, rows, received))
-            received += len(whole.params) * rows * math.prod(whole.layout.stored[1:])
-        recv_counts.append(received - start)
-    sharded.send_counts, sharded.recv_counts = send_counts, recv_counts
-    sharded.send = torch.empty(sent, dtype=accumulate, device=device)
-    wire = settings.wire or settings.ns.dtype
-    sharded.returned = torch.empty(sent, dtype=wire, device=device)
-    sharded.received = torch.empty(received, dtype=accumulate, device=device)
-    sharded.back = torch.empty(received, dtype=wire, device=device)
+    device, keys = bank0.momentum.device, list(bank0.state)
+    there: tuple[Parts, Parts] = ([[] for _ in range(world)], [[] for _ in range(world)])
+    back: tuple[Parts, Parts] = ([[] for _ in range(world)], [[] for _ in range(world)])
     sharded.directions = [torch.empty_like(bank.momentum) for bank in plan.banks]
+    formed = []
+    for peer in range(world):
+        for bank, directions in zip(plan.banks, sharded.directions, strict=True):
+            for lo, hi in sharded.runs(bank, peer):
+                rows = bank.momentum[lo:hi]
+                there[0][peer] += [(rows.shape, None)] * (2 if sharded.gradient else 1)
+                back[1][peer].append((rows.shape, directions[lo:hi]))
+                formed.append((bank.params[lo:hi], rows))
+                for key in keys:
+                    state = bank.state[key][lo:hi]
+                    there[0][peer].append((state.shape, state))
+                    back[1][peer].append((state.shape, state))
+        for whole in sharded.banks:
+            first, count = shard_rows(whole.layout.stored[0], world)[peer]
+            gathered = whole.gather[:, first : first + count]
+            there[1][peer].append((gathered.shape, gathered))
+            back[0][peer].append((gathered.shape, gathered))
+            if sharded.gradient:
+                gradients = whole.gradient[:, first : first + count]
+                there[1][peer].append((gradients.shape, gradients))
+            for key in keys:
+                shape, state = whole.shapes[key], whole.state[key]
+                if shape:
+                    start, length = shard_rows(shape[0], world)[peer]
+                    state = state[:, start : start + length]
+                there[1][peer].append((state.shape, state))
+                back[0][peer].append((state.shape, state))
+    states = [t.dtype for t in bank0.state.values()]
+    sharded.there, views = _trip(*there, promoted(bank0.accumulate, *states), device)
+    sharded.back, _ = _trip(*back, promoted(settings.wire or settings.ns.dtype, *states),
+                            device)
+    step = 2 if sharded.gradient else 1
+    sharded.outgoing = [(params, rows, views[step * i],
+                         views[step * i + 1] if sharded.gradient else None)
+                        for i, (params, rows) in enumerate(formed)]
     rows_of = {id(bank): d for bank, d in zip(plan.banks, sharded.directions, strict=True)}
-    sharded.outgoing, sharded.arriving = [], []
-    for bank, lo, hi, at in outgoing:
-        shape, size = (hi - lo, *bank.momentum.shape[1:]), (hi - lo) * math.prod(
-            bank.momentum.shape[1:])
-        sharded.outgoing.append((bank.params[lo:hi], bank.momentum[lo:hi],
-                                 sharded.send[at : at + size].view(shape)))
-        sharded.arriving.append((sharded.returned[at : at + size].view(shape),
-                                 rows_of[id(bank)][lo:hi]))
-    sharded.assembling, sharded.returning = [], []
-    for whole, first, rows, at in assembling:
-        shape = (len(whole.params), rows, *whole.layout.stored[1:])
-        size, target = math.prod(shape), whole.gather[:, first : first + rows]
-        sharded.assembling.append((sharded.received[at : at + size].view(shape), target))
-        sharded.returning.append((target, sharded.back[at : at + size].view(shape)))
     by_shape: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
     for bank in plan.banks:
         start = row_offset(bank.params[0])
@@ -432,7 +506,11 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
         else:  # an assembled bank's directions go back into its stored layout, for the return
             update(chunk, directions, 0.0)
     if isinstance(exchange, Split):
+        for rows, view in exchange.packs:  # the owned matrices' state, for every rank
+            view.copy_(rows)
         _all_gather_single(exchange.received, exchange.send, group=exchange.group)
+        for view, rows in exchange.unpacks:
+            rows.copy_(view)
         for chunk, arrivals in zip(step.chunks, exchange.arrivals, strict=True):
             for rows, view in arrivals:
                 rows.copy_(view)
@@ -442,31 +520,26 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
 
 
 def _send_rows(sharded: Sharded, nesterov: bool, beta: float) -> None:
-    """This rank's rows of ``M̃`` to the owners, assembled there into whole banks."""
-    for params, momentum, view in sharded.outgoing:
+    """This rank's rows of ``M̃`` (and of the gradients and the state) to the owners, assembled
+    there into whole banks."""
+    for params, momentum, view, gradients in sharded.outgoing:
         if nesterov:
             torch.stack([local(p.grad) for p in params], out=view)
             view.lerp_(momentum, beta)
         else:
             view.copy_(momentum)
-    dist.all_to_all_single(sharded.received, sharded.send, sharded.recv_counts,
-                           sharded.send_counts, group=sharded.group)
-    for view, target in sharded.assembling:
-        target.copy_(view)
+        if gradients is not None:
+            torch.stack([local(p.grad) for p in params], out=gradients)
+    sharded.there.run(sharded.group)
 
 
 def _return_rows(sharded: Sharded, lr: float | Tensor) -> None:
-    """The owned directions' rows back to their ranks, and line 13 on this rank's rows."""
-    for target, view in sharded.returning:
-        view.copy_(target)
-    dist.all_to_all_single(sharded.returned, sharded.back, sharded.send_counts,
-                           sharded.recv_counts, group=sharded.group)
-    for view, rows in sharded.arriving:
-        rows.copy_(view)
+    """The owned directions' rows (and the updated state's) back to their ranks, and line 13
+    on this rank's rows."""
+    sharded.back.run(sharded.group)
     for scale, targets, sources in sharded.updates:
         if isinstance(lr, Tensor):  # capturable: −a·η computed on the device
             torch._foreach_mul_(sources, torch.mul(lr, -scale))
             torch._foreach_add_(targets, sources)
         else:
             torch._foreach_add_(targets, sources, alpha=-lr * scale)
-

@@ -22,8 +22,8 @@ matrices a rank owns.
 A method is one small class: its constructor names its own keywords (the shared ones come as
 ``**shared: Unpack[Shared]``) and hands them on as ``dict(...)``, its ``hyperparameters`` table
 says how they are checked (:class:`~muoneq.optim.base.Hyper`), ``prepare`` and ``finish`` are
-its rule on stacks (a single matrix is a stack of one), ``banked_state`` and
-:meth:`~HybridOrthogonalOptimizer._init_matrix_state` the state it keeps beyond the momentum.
+its rule on stacks (a single matrix is a stack of one), writing into the scratch its
+``requests`` name, and ``banked_state`` the state it keeps beyond the momentum.
 Parameters with more than two dimensions (conv filters) are viewed as ``(out, in·kh·kw)``;
 the group keys ``transposed``, ``batch_dims`` and ``splits`` describe other stored layouts
 (:class:`muoneq.layout.MatrixLayout`; :func:`muoneq.param_groups` sets them from the model's
@@ -45,6 +45,7 @@ from muoneq.layout import MatrixLayout, check_splits
 from muoneq.newton_schulz import (
     Backend,
     Coefficients,
+    Request,
     Workspace,
     canonical_backend,
     dtype_name,
@@ -78,6 +79,7 @@ from muoneq.optim.plan import (
     local,
     muon_step_bytes,
     plan_workspace,
+    promoted,
 )
 
 BATCHING = ("auto", "per_matrix", "stacked")
@@ -145,7 +147,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       than one rank and the parameters are replicated (DDP); ``False`` makes every rank compute
       every matrix; ``True`` is ``"auto"`` that raises if no process group is initialized.
       Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
-      setting. A method with state of its own (:attr:`banked_state`) is never split.
+      setting.
     * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
       in one batched call) or ``"auto"`` (default): stacked on accelerators, per matrix on CPU.
     * ``workspace_limit``: bytes of scratch the stacked path keeps (:attr:`workspace_bytes`),
@@ -185,10 +187,13 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     #: over :data:`SHARED_DEFAULTS`.
     shared_defaults: ClassVar[Shared] = Shared()
     #: State of a method's own kept per matrix in banks like the momentum (key → its
-    #: :class:`~muoneq.optim.plan.Banked` shape and dtype), so that ``prepare`` and ``finish``
-    #: read it stacked (``segment.state``). Such a method keeps its state on every rank: DDP
-    #: does not split its matrices, and under FSDP2 every rank computes every one.
+    #: :class:`~muoneq.optim.plan.Banked` shape, dtype and initial value), so that ``prepare``
+    #: and ``finish`` read it stacked (``segment.state``). Laid out as the momentum is (whole on
+    #: every DDP rank, by rows under FSDP2), it is updated by each matrix's owner and travels
+    #: with the matrix's rows (:mod:`muoneq.optim.distributed`).
     banked_state: ClassVar[StateShapes] = {}
+    #: ``prepare`` reads the gradients (``segment.gradient``; whole matrices under FSDP2 too)
+    reads_gradient: ClassVar[bool] = False
 
     @classmethod
     def shared_keywords(cls) -> dict[str, tuple[Any, Any]]:
@@ -263,10 +268,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
     @property
     def workspace_bytes(self) -> int:
         """Scratch memory kept between steps, not optimizer state: the chunks' buffers as
-        planned (at most ``workspace_limit`` where one parameter per chunk allows; planned now
-        if no step has run yet), the copies of banks staged into them (weights stored
-        transposed or as blocks, parameters below float32 with Nesterov, FSDP2's whole
-        matrices) and the buffers a distributed step exchanges."""
+        planned, the method's scratch (:meth:`requests`) included (at most ``workspace_limit``
+        where one parameter per chunk allows; planned now if no step has run yet), the copies
+        of banks staged into them (weights stored transposed or as blocks, parameters below
+        float32 with Nesterov, FSDP2's whole matrices, and their state and gradients where the
+        method keeps or reads them) and the buffers a distributed step exchanges."""
         steps = self._planned()
         staged = {id(s.bank): s.bank.gather for step in steps.values()
                   for c in step.chunks + step.exchanged for s in c.segments
@@ -319,14 +325,13 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         self._steps = None
 
     def _plan_group(self, group: dict) -> GroupPlan:
-        """Bank the momentum of a matrix group (:mod:`muoneq.optim.plan`), creating the state
-        of every parameter that has none (new, reset, or loaded without it)."""
+        """Bank the state of a matrix group (:mod:`muoneq.optim.plan`): every parameter's
+        momentum (as Muon's, in the stored layout) and :attr:`banked_state`, created at their
+        initial values where missing (new, reset, or loaded without it). Parameters of one
+        stored shape share one tensor per key (a bank); each parameter's state holds a view."""
         params = group["params"]
-        missing = [p for p in params if not self.state[p]]
         layouts = [MatrixLayout.of(p, group) for p in params]
         banks = bank_state(params, layouts, self.state, self.banked_state)
-        for p in missing:
-            self._init_state(p, group)
         return GroupPlan.of(params, layouts, banks, self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -337,20 +342,18 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         self._steps = None
 
     def _init_state(self, p: Tensor, group: dict) -> None:
-        if group["use_muon"]:
-            self._init_matrix_state(p, self.state[p], group)
-        else:
-            init_adamw_state(p, self.state[p], capturable=group.get("capturable", False))
-
-    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
-        """Persistent state of a matrix parameter: one momentum buffer (as Muon), in the
-        stored layout (state of a method's own, :attr:`banked_state`, in the matrix view
-        ``MatrixLayout.of(p, group).matrix``). Parameters of one stored shape share one
-        momentum tensor (a bank, :mod:`muoneq.optim.plan`); each holds a view of it."""
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        """AdamW's state (a matrix group's is banked by its plan: :meth:`_plan_group`)."""
+        init_adamw_state(p, self.state[p], capturable=group.get("capturable", False))
 
     # ----------------------------------------------------------------- the method's rule
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]:
+        """The scratch :meth:`prepare` and :meth:`finish` write, ``(name, shape, dtype)``, for a
+        chunk of ``count`` matrices of ``shape`` whose parameters have ``dtype``: reserved once
+        by the plan (and bounded with it by ``workspace_limit``), seen by each segment as its
+        rows (``segment.scratch[name]``; a 0-d buffer whole). Default: none."""
+        return []
+
     def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
         """The matrices Newton–Schulz orthogonalizes (before DiagPre, for MuonEq), from ``M̃``
         of one segment's rows: ``M`` ``(k, m, n)`` in float32 at least (read only; ``out`` is
@@ -360,7 +363,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
 
     def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
         """The directions of one segment's rows from their Newton–Schulz output ``O``
-        ``(k, m, n)`` (NS dtype): what line 13 applies. Default: ``O`` itself."""
+        ``(k, m, n)``, which it may overwrite (in the NS dtype where
+        :attr:`finishes_in_ns_dtype`, else contiguous in float32 at least): what line 13
+        applies. Default: ``O`` itself."""
         return O
 
     # ----------------------------------------------------------------- the step
@@ -438,8 +443,16 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                                                       "standard"),
                                          self.ns_backend, device=device),
                              group["lr_adjust"], per_matrix=not self._stacked(device),
-                             wire=None if self.finishes_in_ns_dtype else torch.promote_types(
-                                 plan.params[0].dtype, torch.float32))
+                             wire=self._wire(plan), gradient=self.reads_gradient)
+
+    def _wire(self, plan: GroupPlan) -> torch.dtype | None:
+        """The dtype directions travel in between ranks: the NS dtype (``None``) where
+        :meth:`finish` returns it, else float32 at least, and at least every banked state's
+        dtype (the state travels with them, exactly)."""
+        if self.finishes_in_ns_dtype and not self.banked_state:
+            return None
+        return promoted(plan.params[0].dtype, torch.float32,
+                        *{t.dtype for bank in plan.banks for t in bank.state.values()})
 
     def _plan_steps(self, wanted: list[tuple[int, StackSettings, tuple[bool, ...]]]
                     ) -> dict[int, GroupStep]:
@@ -459,12 +472,12 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                  for index, (plan, *_) in planned.items()
                  for p, layout in zip(plan.params, plan.layouts, strict=True)
                  for block in layout.blocks), default=0)
-        self._workspace, chunks = plan_workspace(planned, limit)
+        self._workspace, chunks = plan_workspace(planned, limit, self)
         steps = {}
         for index, settings, present in wanted:
             plan, exchange = self._plans[index], exchanges[index]
             exchanged = distributed.plan_exchange(exchange, chunks[index], settings,
-                                                  self._workspace)
+                                                  self._workspace, self)
             for part in (chunks[index], exchanged):
                 carve(part, settings, self._workspace)
             distributed.carve_exchange(exchange, chunks[index], exchanged, settings)
@@ -485,7 +498,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         split between the ranks of :meth:`_split_group`; ``None``: this process computes every
         matrix."""
         if plan.sharded:
-            return distributed.Sharded.of(plan, present, everyone=bool(self.banked_state))
+            return distributed.Sharded.of(plan, present, gradient=self.reads_gradient)
         group = self._split_group()
         if group is None:
             return None
@@ -508,9 +521,9 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         return self.batching == "stacked" or (self.batching == "auto" and device.type != "cpu")
 
     def _split_group(self):
-        """The process group to split replicated matrices over, ``None`` to compute them here
-        (methods with state of their own keep it on every rank: never split)."""
-        if self.banked_state or self.distributed is False:
+        """The process group to split replicated matrices over, ``None`` to compute them
+        here."""
+        if self.distributed is False:
             return None
         if not (dist.is_available() and dist.is_initialized()):
             if self.distributed is True:

@@ -8,37 +8,45 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import Request
 from muoneq.optim.base import Hyper, matched_by_name
 from muoneq.optim.checks import decay, integer, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
-from muoneq.optim.plan import Banked, Segment, is_dtensor
+from muoneq.optim.plan import Banked, Segment
 
 
-def _eigenbasis(factor: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Eigenpairs of the trace-normalized factor (or of each of a stack), eigenvalues shifted to
-    be ≥ ``eps``.
+def _refresh(factor: Tensor, values: Tensor, vectors: Tensor, due: Tensor, count: int,
+             scratch: dict[str, Tensor], side: str, eps: float) -> None:
+    """The eigenbasis of the trace-normalized factors of a stack whose refresh is ``due``
+    (``count`` of them), eigenvalues shifted to be ≥ ``eps``, into ``values`` and ``vectors``.
 
     ``F̂ = F·d/tr(F)`` (``d`` = size; a zero factor stays zero), ``(λ, Q) = eigh(F̂ + εI)``,
     then ``λ ← λ + max(0, −min λ) + ε`` (the official ``clean_eigenvalues``).
     """
-    size = factor.shape[-1]
-    trace = factor.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
-    normalized = factor * torch.where(trace > 0, size / trace, 0.0)  # no host sync
-    eye = torch.eye(size, dtype=factor.dtype, device=factor.device)
-    evals, evecs = torch.linalg.eigh(normalized + eps * eye)
-    return evals + (-evals.amin(-1, keepdim=True)).clamp(min=0) + eps, evecs
+    trace = torch.sum(factor.diagonal(dim1=-2, dim2=-1), dim=-1, out=scratch["trace"])
+    flat = torch.le(trace, 0, out=scratch["flat"])
+    ratio = trace.reciprocal_().mul_(factor.size(-1)).masked_fill_(flat, 0.0)  # no host sync
+    evecs = torch.mul(factor, ratio[:, None, None], out=scratch["vectors_" + side])
+    evecs.diagonal(dim1=-2, dim2=-1).add_(eps)
+    evals = scratch["values_" + side]
+    torch.linalg.eigh(evecs, out=(evals, evecs))
+    shift = torch.amin(evals, dim=-1, keepdim=True, out=scratch["shift"]).neg_().clamp_(min=0)
+    evals.add_(shift).add_(eps)
+    if count == due.numel():
+        values.copy_(evals)
+        vectors.copy_(evecs)
+    else:  # some of a stack (a state reset, or loaded)
+        torch.where(due[:, None], evals, values, out=values)
+        torch.where(due[:, None, None], evecs, vectors, out=vectors)
 
 
 def _accumulate(factor: Tensor, A: Tensor, B: Tensor, beta: float) -> None:
-    """``F ← β·F + (1−β)·A·B`` for one factor or a stack (``addmm``/``baddbmm``)."""
-    product = factor.mul_(beta).addmm_ if factor.ndim == 2 else factor.mul_(beta).baddbmm_
-    product(A, B, alpha=1 - beta)
+    """``F ← β·F + (1−β)·A·B`` for a stack of factors (``baddbmm``)."""
+    factor.mul_(beta).baddbmm_(A, B, alpha=1 - beta)
 
 
-def full(t: Tensor) -> Tensor:
-    """A whole tensor: a ``DTensor``'s ``full_tensor()`` (FSDP2's gradients), any other itself."""
-    return t.full_tensor() if is_dtensor(t) else t
+def _identity(shape: tuple[int, int], **like) -> Tensor:
+    return torch.eye(shape[0], **like)
 
 
 #: State kept in at least float32 whatever the parameter's dtype.
@@ -106,30 +114,19 @@ class Mousse(HybridOrthogonalOptimizer):
     #: The curvature state and the step counts are banked like the momentum, in at least
     #: float32 (the counts in float32): the stacked path reads them stacked.
     banked_state = {
-        **{key: Banked(shape, dtype=lambda dtype: torch.promote_types(dtype, torch.float32))
-           for key, shape in {"L": lambda layout: layout.matrix[:1] * 2,
-                              "R": lambda layout: layout.matrix[1:] * 2,
-                              "Q_L": lambda layout: layout.matrix[:1] * 2,
-                              "Q_R": lambda layout: layout.matrix[1:] * 2,
-                              "lambda_L": lambda layout: layout.matrix[:1],
-                              "lambda_R": lambda layout: layout.matrix[1:]}.items()},
+        **{key: Banked(shape, dtype=lambda dtype: torch.promote_types(dtype, torch.float32),
+                       initial=initial)
+           for key, (shape, initial) in {
+               "L": (lambda layout: layout.matrix[:1] * 2, torch.zeros),
+               "R": (lambda layout: layout.matrix[1:] * 2, torch.zeros),
+               "Q_L": (lambda layout: layout.matrix[:1] * 2, _identity),
+               "Q_R": (lambda layout: layout.matrix[1:] * 2, _identity),
+               "lambda_L": (lambda layout: layout.matrix[:1], torch.ones),
+               "lambda_R": (lambda layout: layout.matrix[1:], torch.ones)}.items()},
         "step": Banked(lambda layout: (), dtype=lambda _: torch.float32),
     }
-
-    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
-        super()._init_matrix_state(p, state, group)
-        m, n = MatrixLayout.of(p, group).matrix
-        like = {"dtype": torch.promote_types(p.dtype, torch.float32), "device": p.device}
-        fresh = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for side, size in (("L", m), ("R", n)):
-            fresh[side] = torch.zeros(size, size, **like)
-            fresh[f"Q_{side}"] = torch.eye(size, **like)
-            fresh[f"lambda_{side}"] = torch.ones(size, **like)
-        for key, value in fresh.items():
-            if key in state:  # a bank's view (at zero so far)
-                state[key].copy_(value)
-            else:  # a DTensor's
-                state[key] = value
+    reads_gradient = True
+    finishes_in_ns_dtype = False
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the curvature state keeps its own
@@ -144,55 +141,49 @@ class Mousse(HybridOrthogonalOptimizer):
             for key in _CURVATURE_KEYS.intersection(saved[saved_id]):
                 self.state[p][key] = saved[saved_id][key].to(device=p.device, dtype=dtype)
 
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]:
+        m, n = shape
+        like = torch.promote_types(dtype, torch.float32)
+        return [("whitened", (count, m, n), like), ("scale_L", (count, m), like),
+                ("scale_R", (count, n), like), ("due", (count,), like),
+                ("due_mask", (count,), torch.bool), ("due_count", (), like),
+                ("trace", (count,), like), ("flat", (count,), torch.bool),
+                ("shift", (count, 1), like), ("values_L", (count, m), like),
+                ("vectors_L", (count, m, m), like), ("values_R", (count, n), like),
+                ("vectors_R", (count, n, n), like), ("norm", (count, 1, 1), like),
+                ("mapped_norm", (count, 1, 1), like)]
+
     def prepare(self, M: Tensor, segment: Segment, group: dict, out: Tensor) -> Tensor:
-        """The factors' update from the gradients (whole: a sharded one is gathered), then the
-        whitened ``M̃``."""
-        grads = torch.stack([full(p.grad) for p in segment.params])
-        G = segment.layout.stacked_blocks(grads)[segment.split].reshape(M.shape)
-        return self._whitened(M, G, segment.state, group)
-
-    finishes_in_ns_dtype = False
-
-    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
-        return self._mapped_back(O, segment.state, group)
-
-    @staticmethod
-    def _whitened(M: Tensor, G: Tensor, state: dict, group: dict) -> Tensor:
-        """The factors' update, their eigenbases when due, and ``W`` (class docstring) of one
-        ``M̃`` with its gradient ``G`` and state, or of a stack with its banked state. Which
-        matrices are due is read once (a stack's count of them)."""
-        L, R, step = state["L"], state["R"], state["step"]
-        # contiguous: a strided gradient would take another BLAS path and round differently
-        G = G.to(L.dtype).contiguous()
+        """The factors' update from the gradients, their eigenbases when due, and the whitened
+        ``M̃``, ``W`` (class docstring), of a stack with its banked state. Which matrices are due
+        is read once (their count)."""
+        state, scratch, G = segment.state, segment.scratch, segment.gradient
         beta = group["precond_beta"]
-        _accumulate(L, G, G.mT, beta)
-        _accumulate(R, G.mT, G, beta)
-        step.add_(1)
-        due = torch.remainder(step - 1, group["precond_every"]) == 0
-        count = int(due.sum())
+        _accumulate(state["L"], G, G.mT, beta)
+        _accumulate(state["R"], G.mT, G, beta)
+        step = state["step"].add_(1)
+        due = torch.sub(step, 1, out=scratch["due"]).remainder_(group["precond_every"])
+        due = torch.eq(due, 0, out=scratch["due_mask"])
+        count = int(torch.sum(due, dim=0, out=scratch["due_count"]))
         if count:
             for side in ("L", "R"):
-                evals, evecs = _eigenbasis(state[side], group["precond_eps"])
-                if count < due.numel():  # some of a stack (a state reset, or loaded)
-                    evals = torch.where(due[..., None], evals, state[f"lambda_{side}"])
-                    evecs = torch.where(due[..., None, None], evecs, state[f"Q_{side}"])
-                state[f"lambda_{side}"].copy_(evals)
-                state[f"Q_{side}"].copy_(evecs)
-        scale_L, scale_R = Mousse._scales(state, group)
-        return scale_L * (state["Q_L"].mT @ M.to(L.dtype) @ state["Q_R"]) * scale_R
+                _refresh(state[side], state["lambda_" + side], state["Q_" + side], due, count,
+                         scratch, side, group["precond_eps"])
+        scale_L = torch.pow(state["lambda_L"], -group["alpha"], out=scratch["scale_L"])
+        scale_R = torch.pow(state["lambda_R"], -group["alpha"], out=scratch["scale_R"])
+        whitened = torch.bmm(state["Q_L"].mT, M, out=scratch["whitened"])
+        return torch.bmm(whitened, state["Q_R"], out=out).mul_(scale_L[:, :, None]).mul_(
+            scale_R[:, None, :])
 
-    @staticmethod
-    def _mapped_back(O: Tensor, state: dict, group: dict) -> Tensor:
-        """``U`` grafted to ``‖O‖_F`` (class docstring), of one matrix or a stack."""
-        scale_L, scale_R = Mousse._scales(state, group)
-        O = O.to(state["L"].dtype)
-        U = state["Q_L"] @ (scale_L * O * scale_R) @ state["Q_R"].mT
-        norms = (torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True),
-                 torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True))
-        return U.mul_(norms[0] / norms[1].clamp(min=torch.finfo(U.dtype).tiny))
-
-    @staticmethod
-    def _scales(state: dict, group: dict) -> tuple[Tensor, Tensor]:
-        """``Λ_L^{−α}`` as a column and ``Λ_R^{−α}`` as a row (of each matrix of a stack)."""
-        return (state["lambda_L"].pow(-group["alpha"]).unsqueeze(-1),
-                state["lambda_R"].pow(-group["alpha"]).unsqueeze(-2))
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        """``U`` grafted to ``‖O‖_F`` (class docstring) of a stack, in ``O`` and the scratch
+        (the scales :meth:`prepare` left there)."""
+        state, scratch = segment.state, segment.scratch
+        norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True, out=scratch["norm"])
+        O.mul_(scratch["scale_L"][:, :, None]).mul_(scratch["scale_R"][:, None, :])
+        mapped = torch.bmm(state["Q_L"], O, out=scratch["whitened"])
+        U = torch.bmm(mapped, state["Q_R"].mT, out=O)
+        mapped_norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True,
+                                               out=scratch["mapped_norm"])
+        return U.mul_(norm.div_(mapped_norm.clamp_(min=torch.finfo(U.dtype).tiny)))

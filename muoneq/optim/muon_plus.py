@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from muoneq.newton_schulz import Request
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import choice, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
@@ -17,27 +18,12 @@ from muoneq.optim.plan import Segment
 NORM_MODES = ("none", "col", "row", "col_row", "row_col")
 
 
-def _unit_along(U: Tensor, dim: int, eps: float) -> Tensor:
-    """``U / √(Σ_dim U² + ε)``; a zero column/row stays zero (never 0/0) when ``ε = 0``."""
-    norm = (U.square().sum(dim=dim, keepdim=True) + eps).sqrt()
-    return U / norm.clamp(min=torch.finfo(U.dtype).tiny)
-
-
-def _unit_columns(U: Tensor, eps: float) -> Tensor:
-    return _unit_along(U, -2, eps)
-
-
-def _unit_rows(U: Tensor, eps: float) -> Tensor:
-    return _unit_along(U, -1, eps)
-
-
 def _norm_mode_key(mode: str) -> str:
     return mode.lower().replace("-", "_")
 
 
-_STEPS = {"col": (_unit_columns,), "row": (_unit_rows,),
-          "col_row": (_unit_columns, _unit_rows), "row_col": (_unit_rows, _unit_columns),
-          "none": ()}
+#: The dimension each normalization of a ``norm_mode`` sums over, in order (-2: columns).
+_DIMS = {"col": (-2,), "row": (-1,), "col_row": (-2, -1), "row_col": (-1, -2), "none": ()}
 
 
 class MuonPlus(HybridOrthogonalOptimizer):
@@ -79,13 +65,18 @@ class MuonPlus(HybridOrthogonalOptimizer):
 
     finishes_in_ns_dtype = False
 
-    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
-        return self._normalized(O, group)
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]:
+        accumulate = torch.promote_types(dtype, torch.float32)
+        return [("columns", (count, 1, shape[1]), accumulate),
+                ("rows", (count, shape[0], 1), accumulate)]
 
-    @staticmethod
-    def _normalized(U: Tensor, group: dict) -> Tensor:
-        """The normalizations of ``norm_mode`` (in float32 at least) of one ``U`` or a stack."""
-        U = U.to(torch.promote_types(U.dtype, torch.float32))
-        for normalize in _STEPS[group["norm_mode"]]:
-            U = normalize(U, group["norm_eps"])
-        return U
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        """The normalizations of ``norm_mode`` (class docstring) of a stack, in place:
+        ``U / √(Σ U² + ε)`` along each dimension in turn, a zero column/row staying zero
+        (never 0/0) when ``ε = 0``."""
+        for dim in _DIMS[group["norm_mode"]]:
+            norm = segment.scratch["columns" if dim == -2 else "rows"]
+            torch.linalg.vector_norm(O, dim=dim, keepdim=True, out=norm).square_()
+            O.div_(norm.add_(group["norm_eps"]).sqrt_().clamp_(min=torch.finfo(O.dtype).tiny))
+        return O

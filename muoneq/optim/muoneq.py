@@ -7,9 +7,7 @@ from typing import Unpack
 from torch.optim.optimizer import ParamsT
 
 from muoneq.functional import canonical_mode
-from muoneq.newton_schulz import (
-    canonical_algorithm,
-)
+from muoneq.newton_schulz import canonical_algorithm, check_runs
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import boolean, converted, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
@@ -114,12 +112,8 @@ class MuonEq(HybridOrthogonalOptimizer):
 
     def _validate(self, group: dict) -> None:
         super()._validate(group)
-        if (group["use_muon"] and group["ns_algorithm"] == "gram"
-                and self.ns_backend not in ("torch", "auto")):
-            name = getattr(self.ns_backend, "__name__", repr(self.ns_backend))
-            raise ValueError(f"ns_algorithm: 'gram' runs on torch's products; ns_backend={name} "
-                             "runs the standard order only (use ns_algorithm='standard' or "
-                             "ns_backend='torch')")
+        if group["use_muon"]:
+            check_runs(group["ns_algorithm"], self.ns_backend)
         if group["capturable"] and self.compile:
             raise ValueError("capturable: compile=True's graphs are not captured with it yet; "
                              "use capturable=False or compile=False")

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from muoneq.layout import MatrixLayout
+from muoneq.newton_schulz import Request
 from muoneq.optim.base import Hyper
 from muoneq.optim.checks import decay, nonnegative
 from muoneq.optim.hybrid import HybridOrthogonalOptimizer, Shared
@@ -60,25 +60,28 @@ class NorMuon(HybridOrthogonalOptimizer):
     #: the second moments are banked like the momentum: the stacked path reads them stacked
     banked_state = {"second_moment": Banked(lambda layout: (layout.matrix[0], 1))}
 
-    def _init_matrix_state(self, p: Tensor, state: dict, group: dict) -> None:
-        super()._init_matrix_state(p, state, group)
-        if "second_moment" not in state:  # a DTensor's (the banks hold the others')
-            state["second_moment"] = p.new_zeros(MatrixLayout.of(p, group).matrix[0], 1)
-
     finishes_in_ns_dtype = False
 
-    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
-        return self._normalized(O, segment.state["second_moment"], group,
-                                segment.momentum.dtype)
+    def requests(self, count: int, shape: tuple[int, int], dtype: torch.dtype
+                 ) -> list[Request]:
+        accumulate = torch.promote_types(dtype, torch.float32)
+        rows = [("rows", (count, shape[0], 1), accumulate)]
+        if dtype != accumulate:  # the row means rounded to the second moment's dtype
+            rows.append(("moment", (count, shape[0], 1), dtype))
+        return [*rows, ("norm", (count, 1, 1), accumulate),
+                ("normalized_norm", (count, 1, 1), accumulate)]
 
-    @staticmethod
-    def _normalized(O: Tensor, v: Tensor, group: dict, dtype: torch.dtype) -> Tensor:
-        """The second moment's update and the row normalization of one ``O`` (with its ``v``,
-        ``(m, 1)``) or a stack (``(k, m, 1)``), in float32 at least (``dtype``: the
-        parameters')."""
-        eps = group["eps"]
-        O = O.to(torch.promote_types(dtype, torch.float32))
-        v.lerp_(O.square().mean(dim=-1, keepdim=True).to(v.dtype), 1 - group["beta2"])
-        normalized = O / (v.to(O.dtype).sqrt() + eps)
-        norms = (O.norm(dim=(-2, -1), keepdim=True), normalized.norm(dim=(-2, -1), keepdim=True))
-        return normalized.mul_(norms[0] / (norms[1] + eps))
+    def finish(self, O: Tensor, segment: Segment, group: dict) -> Tensor:
+        """The second moment's update and the row normalization (class docstring) of a stack
+        ``O`` ``(k, m, n)`` with its ``v`` ``(k, m, 1)``, in ``O`` and the scratch."""
+        eps, scratch, v = group["eps"], segment.scratch, segment.state["second_moment"]
+        rows = scratch["rows"]
+        means = torch.linalg.vector_norm(O, dim=-1, keepdim=True, out=rows).square_().div_(
+            O.size(-1))
+        v.lerp_(means if v.dtype == means.dtype else scratch["moment"].copy_(means),
+                1 - group["beta2"])
+        norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True, out=scratch["norm"])
+        O.div_(rows.copy_(v).sqrt_().add_(eps))
+        normalized = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True,
+                                              out=scratch["normalized_norm"])
+        return O.mul_(norm.div_(normalized.add_(eps)))

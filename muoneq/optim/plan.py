@@ -26,6 +26,7 @@ same weights get as a separate ``nn.Linear``.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import types
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from muoneq.functional import (
     DiagPreBuffers,
+    Rule,
     diag_pre_buffers,
     diag_pre_requests,
     lr_scale,
@@ -46,6 +48,7 @@ from muoneq.newton_schulz import (
     AGREEMENT,
     Iteration,
     NSSettings,
+    Request,
     StackIteration,
     TritonIteration,
     Workspace,
@@ -64,6 +67,13 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+@functools.cache
+def promoted(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype that holds every one of ``dtypes`` exactly (``torch.promote_types`` folded;
+    cached: a step asks without dispatching anything)."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
 def local(t: Tensor) -> Tensor:
     """The tensor this rank holds: a ``DTensor``'s local shard (the shard itself:
     ``to_local()`` would dispatch a view on every call), any other tensor itself."""
@@ -74,10 +84,13 @@ def local(t: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Banked:
     """A method's own state kept per matrix in banks like the momentum: its shape for a
-    :class:`~muoneq.layout.MatrixLayout`, and its dtype for the parameters' (``None``: theirs)."""
+    :class:`~muoneq.layout.MatrixLayout`, its dtype for the parameters' (``None``: theirs), and
+    its value before the first step, ``initial(shape, dtype=…, device=…)`` (``torch.zeros``,
+    ``torch.ones``, …)."""
 
     shape: Callable[[MatrixLayout], tuple[int, ...]]
     dtype: Callable[[torch.dtype], torch.dtype] | None = None
+    initial: Callable[..., Tensor] = torch.zeros
 
 
 #: State banked per matrix, by key (the momentum: the stored parameter's shape and dtype).
@@ -89,17 +102,22 @@ class Bank:
     """Parameters of one group that share a stored layout, dtype and device, with their
     momentum as one ``(k, *stored)`` tensor (a sharded parameter's: ``(k, local rows, …)``):
     row ``j`` is parameter ``j``'s ``momentum_buffer``; ``state`` likewise holds a method's own
-    per-matrix state. ``gather`` (``(k, *stored)``, the parameters' dtype) holds ``M̃`` of a bank
-    that is not formed in its stacks, and its directions in the stored layout."""
+    per-matrix state (a sharded parameter's: this rank's rows of it), ``shapes`` the whole
+    shape of one matrix's state by key. ``gather`` (``(k, *stored)``, the parameters' dtype)
+    holds ``M̃`` of a bank that is not formed in its stacks, and its directions in the stored
+    layout."""
 
     params: list[Tensor]
     layout: MatrixLayout
     momentum: Tensor
     state: dict[str, Tensor] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     gather: Tensor | None = None
     #: ``M̃`` arrives whole from the parameters' shards (FSDP2; :mod:`muoneq.optim.distributed`):
-    #: the directions stay in ``gather``, for the exchange back
+    #: the directions stay in ``gather``, for the exchange back; ``state`` is whole, and so is
+    #: ``gradient`` (``(k, *stored)``, for a method that reads whole gradients)
     assembled: bool = False
+    gradient: Tensor | None = None
     #: DiagPre's dtype: float32 at least (bf16 sums of squares lose too much)
     accumulate: torch.dtype = field(init=False)
     #: plain layout in the accumulation dtype: ``M̃`` is formed in the stack itself
@@ -115,38 +133,87 @@ def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state:
                shapes: StateShapes | None = None) -> list[Bank]:
     """Bank the momentum (and the state of ``shapes``) of a group's parameters by (layout,
     dtype, device, local shape): state already there is copied into its bank, missing state
-    starts at zero, and the state then holds the bank's views (a ``DTensor`` parameter's: a
-    ``DTensor`` over its row of the bank, sharded as the parameter)."""
+    starts at its ``initial`` value (the momentum at zero), and the state then holds the bank's
+    views. A ``DTensor`` parameter's state is a ``DTensor`` too, as distributed checkpoints
+    need: the momentum sharded as the parameter, a method's own state by the rows of its own
+    first dimension (``Shard(0)``, :func:`shard_rows`; replicated when it has none)."""
     shapes = {"momentum_buffer": Banked(lambda layout: layout.stored), **(shapes or {})}
     keyed: dict[tuple, list[int]] = {}
     for i, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         keyed.setdefault((layout, p.dtype, p.device, tuple(local(p).shape)), []).append(i)
     banks = []
-    for (layout, dtype, device, local_shape), members in keyed.items():
-        tensors = {}
+    for (layout, dtype, device, _), members in keyed.items():
+        tensors, whole = {}, {}
         for key, banked in shapes.items():
-            shape = local_shape if key == "momentum_buffer" else banked.shape(layout)
-            tensors[key] = torch.zeros((len(members), *shape), device=device,
-                                       dtype=dtype if banked.dtype is None else banked.dtype(dtype))
+            whole[key] = shape = banked.shape(layout)
+            rows = _own_rows(params[members[0]], shape)
+            like = {"device": device, "dtype": dtype if banked.dtype is None else
+                    banked.dtype(dtype)}
+            tensors[key] = torch.zeros((len(members), *rows.local_shape), **like)
             for i, view in zip(members, tensors[key].unbind(0), strict=True):
                 p, old = params[i], state[params[i]].get(key)
-                if old is not None:
-                    view.copy_(local(old))
-                state[p][key] = _sharded_like(p, view) if key == "momentum_buffer" else view
+                if old is not None:  # a sharded state's rows, or a whole state's (loaded)
+                    old = local(old)
+                    view.copy_(rows.of(old) if tuple(old.shape) == tuple(shape) else old)
+                elif key != "momentum_buffer":
+                    view.copy_(rows.of(banked.initial(shape, **like)))
+                state[p][key] = rows.sharded(p, view)
         momentum = tensors.pop("momentum_buffer")
-        banks.append(Bank([params[i] for i in members], layout, momentum, tensors))
+        del whole["momentum_buffer"]
+        banks.append(Bank([params[i] for i in members], layout, momentum, tensors, whole))
     return banks
 
 
-def _sharded_like(p: Tensor, view: Tensor) -> Tensor:
-    """``view`` (this rank's rows) as the state of ``p``: a ``DTensor`` laid out like ``p``
-    when ``p`` is one (distributed checkpoints keep the state sharded), else ``view``."""
-    if not is_dtensor(p):
-        return view
-    from torch.distributed.tensor import DTensor
+def shard_rows(rows: int, world: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each rank's rows under ``Shard(0)`` (``torch.chunk``'s rule)."""
+    size = -(-rows // world)
+    return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
 
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+
+@dataclass(frozen=True)
+class _OwnRows:
+    """The rows ``start : start + length`` of a ``shape`` tensor this rank holds for a
+    parameter (all of them unless the parameter is a row-sharded ``DTensor``)."""
+
+    shape: tuple[int, ...]
+    start: int
+    length: int
+    sharded_dim: int | None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.length, *self.shape[1:]) if self.shape else ()
+
+    def of(self, whole: Tensor) -> Tensor:
+        return whole[self.start : self.start + self.length] if self.shape else whole
+
+    def sharded(self, p: Tensor, view: Tensor) -> Tensor:
+        """``view`` (this rank's rows) as the state of ``p``: a ``DTensor`` over ``p``'s mesh
+        when ``p`` is one, ``Shard(0)`` on ``p``'s sharded mesh dimension (replicated for a
+        0-d state), else ``view`` itself."""
+        if self.sharded_dim is None:
+            return view
+        from torch.distributed.tensor import DTensor, Replicate
+
+        placements = list(p.placements)
+        if not self.shape:
+            placements[self.sharded_dim] = Replicate()
+        return DTensor.from_local(view, p.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(self.shape),
+                                  stride=torch.empty(self.shape, device="meta").stride())
+
+
+def _own_rows(p: Tensor, shape: tuple[int, ...]) -> _OwnRows:
+    if not is_dtensor(p):
+        return _OwnRows(tuple(shape), 0, shape[0] if shape else 0, None)
+    from torch.distributed.tensor import Replicate
+
+    dim = next(d for d, placement in enumerate(p.placements)
+               if not isinstance(placement, Replicate))
+    mesh = p.device_mesh
+    start, length = (shard_rows(shape[0], mesh.size(dim))[mesh.get_local_rank(dim)] if shape
+                     else (0, 0))
+    return _OwnRows(tuple(shape), start, length, dim)
 
 
 @dataclass(eq=False)
@@ -209,8 +276,11 @@ class StackSettings:
     lr_adjust: str
     #: one matrix per chunk, in torch.optim.Muon's operations (``batching="per_matrix"``)
     per_matrix: bool = False
-    #: the dtype directions travel in between ranks (``None``: the NS dtype)
+    #: the dtype directions (and a method's state) travel in between ranks (``None``: the NS
+    #: dtype)
     wire: torch.dtype | None = None
+    #: the method reads whole gradients (:attr:`~muoneq.functional.Rule.reads_gradient`)
+    gradient: bool = False
 
 
 @dataclass(eq=False)
@@ -222,7 +292,14 @@ class Segment:
     ``stack``: the segment's rows of the chunk's stack, shaped like the bank's oriented blocks;
     ``source``: what is copied there before the prologue (the bank's ``M̃`` or momentum), or
     ``None`` when ``M̃`` is formed in the stack itself (``gather``: those rows shaped
-    ``(k, *stored)``) or read where it is."""
+    ``(k, *stored)``) or read where it is.
+
+    ``scratch``: the segment's rows of the buffers the method asked for
+    (:meth:`~muoneq.functional.Rule.requests`); ``gradient``: its rows of the chunk's
+    gradients ``(k, m, n)`` (for a method that reads them), where the step stacks the
+    parameters' gradients (``gradient_stack``: in the stored layout), copied
+    (``gradient_copy``: ``(target, source)``) where they were staged or arrived in another
+    layout."""
 
     bank: Bank
     split: int
@@ -236,6 +313,10 @@ class Segment:
     stack: Tensor | None = None
     source: Tensor | None = None
     gather: Tensor | None = None
+    scratch: dict[str, Tensor] = field(default_factory=dict)
+    gradient: Tensor | None = None
+    gradient_stack: Tensor | None = None
+    gradient_copy: tuple[Tensor, Tensor] | None = None
 
     @property
     def count(self) -> int:
@@ -254,8 +335,10 @@ class Chunk:
     Buffers (views of the shared workspace, reserved in ``requests``): ``stack`` (``M̃``, then
     scratch; the accumulation dtype), ``ns_input`` (``X₀`` in the NS dtype; ``stack`` itself when
     the dtypes agree), ``ns_buffers`` (the iteration's), ``diag`` (DiagPre's), ``step``
-    (``−a·η`` as a tensor). ``source`` is where the prologue reads ``M̃`` (the stack, or a lone
-    plain bank's momentum without Nesterov).
+    (``−a·η`` as a tensor), and the method's (``rule_buffers``, by the name it gave; the
+    gradients it reads, ``gradient``, and their stored-layout staging, ``gradient_stored``),
+    which its segments see by rows. ``source`` is where the prologue reads ``M̃`` (the stack,
+    or a lone plain bank's momentum without Nesterov).
 
     The update reads the directions from ``final`` (the buffer of the last iterate, when the
     iteration has one) where ``final_readable`` (the parameters' dtype), else from ``stack``:
@@ -275,6 +358,9 @@ class Chunk:
     stack: Tensor | None = None
     ns_input: Tensor | None = None
     ns_buffers: dict[str, Tensor] = field(default_factory=dict)
+    rule_buffers: dict[str, Tensor] = field(default_factory=dict)
+    gradient: Tensor | None = None
+    gradient_stored: Tensor | None = None
     diag: DiagPreBuffers | None = None
     final: Tensor | None = None
     final_readable: bool = False
@@ -321,15 +407,15 @@ def compiled_copy(fn: Callable, shape: tuple[int, int]) -> Callable:
     return torch.compile(copy, fullgraph=True, dynamic=False)
 
 
-def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, *,
+def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, rule: Rule, *,
                 present: Sequence[bool] | None = None, chunk_bytes: int | None = None,
                 banks: list[Bank] | None = None) -> list[Chunk]:
     """Bucket the blocks of a group's banks (``banks``, default the plan's) by matrix shape
     (and dtype, device) into chunks of at most :data:`STACK_ELEMENTS` elements (one matrix with
-    ``per_matrix``) whose buffers take at most ``chunk_bytes`` (at least one parameter each),
-    with the parameters that have a gradient (``present``, in the plan's order; default all),
-    and reserve their buffers in ``workspace``; :func:`carve` gives them out once every group
-    is planned."""
+    ``per_matrix``) whose buffers (the method's, ``rule``'s, included) take at most
+    ``chunk_bytes`` (at least one parameter each), with the parameters that have a gradient
+    (``present``, in the plan's order; default all), and reserve their buffers in
+    ``workspace``; :func:`carve` gives them out once every group is planned."""
     with_grad = {id(p) for p, ok in zip(plan.params, present or [True] * len(plan.params),
                                         strict=True) if ok}
     buckets: dict[tuple, list[tuple[Bank, int]]] = {}
@@ -341,7 +427,7 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
     for (shape, _, _), members in buckets.items():
         per_stack = 1 if settings.per_matrix else max(1, STACK_ELEMENTS // math.prod(shape))
         if chunk_bytes is not None:
-            one = _requests(1, shape, members[0][0].accumulate, settings)
+            one = _requests(1, shape, members[0][0].momentum.dtype, settings, rule)
             matrix = sum(math.prod(size) * dtype.itemsize for name, size, dtype in one
                          if name != "step")
             per_stack = min(per_stack, max(1, chunk_bytes // matrix))
@@ -352,7 +438,7 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
             for lo, hi in runs_of([id(p) in with_grad for p in bank.params]):
                 while lo < hi:
                     if current and filled + count > per_stack:
-                        chunks.append(chunk_of(current, settings, workspace))
+                        chunks.append(chunk_of(current, settings, workspace, rule))
                         current, filled = [], 0
                     end = min(hi, lo + max(1, (per_stack - filled) // count))
                     current.append(Segment(bank, split, lo, end, bank.params[lo:end],
@@ -361,7 +447,7 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
                     filled += (end - lo) * count
                     lo = end
         if current:
-            chunks.append(chunk_of(current, settings, workspace))
+            chunks.append(chunk_of(current, settings, workspace, rule))
     return chunks
 
 
@@ -377,26 +463,31 @@ def runs_of(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Workspace) -> Chunk:
+def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Workspace,
+             rule: Rule) -> Chunk:
     """A chunk of ``segments`` (same-shape blocks), its buffers reserved in ``workspace``."""
     bank = segments[0].bank
     shape = (bank.layout.rows[segments[0].split], bank.layout.matrix[1])
     chunk = Chunk(shape, lr_scale(shape, settings.lr_adjust), segments,
                   iteration_for(settings.ns, shape, per_matrix=settings.per_matrix))
-    requests = _requests(sum(s.count for s in segments), shape, bank.accumulate, settings,
-                         chunk.iteration)
+    count = sum(s.count for s in segments)
+    requests = _requests(count, shape, bank.momentum.dtype, settings, rule, chunk.iteration)
+    staged = sum((s.hi - s.lo) * math.prod(s.layout.stored) for s in segments
+                 if not (s.layout.plain or s.bank.assembled))
+    if settings.gradient and staged:  # stacked in the stored layout first
+        requests.append(("gradient_stored", (staged,), bank.momentum.dtype))
     chunk.requests = [(*r, bank.momentum.device) for r in requests]
     for request in chunk.requests:
         workspace.reserve(*request)
     return chunk
 
 
-def _requests(count: int, shape: tuple[int, int], accumulate: torch.dtype,
-              settings: StackSettings, iteration: Iteration | None = None
-              ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The buffers of a chunk of ``count`` matrices of ``shape`` (:class:`Chunk`): name, shape
-    and dtype."""
+def _requests(count: int, shape: tuple[int, int], dtype: torch.dtype, settings: StackSettings,
+              rule: Rule, iteration: Iteration | None = None) -> list[Request]:
+    """The buffers of a chunk of ``count`` matrices of ``shape`` whose parameters have
+    ``dtype`` (:class:`Chunk`): name, shape and dtype (the method's named ``("rule", name)``)."""
     ns = settings.ns.dtype
+    accumulate = torch.promote_types(dtype, torch.float32)
     iteration = iteration or iteration_for(settings.ns, shape, per_matrix=settings.per_matrix)
     requests = [("stack", (count, *shape), accumulate)]
     if ns != accumulate:
@@ -404,6 +495,9 @@ def _requests(count: int, shape: tuple[int, int], accumulate: torch.dtype,
     requests += iteration.requests(count, shape, ns)
     requests += diag_pre_requests(count, shape, settings.mode, accumulate, ns)
     requests.append(("step", (1,), accumulate))
+    if settings.gradient:
+        requests.append(("gradient", (count, *shape), accumulate))
+    requests += [(("rule", name), size, t) for name, size, t in rule.requests(count, shape, dtype)]
     return requests
 
 
@@ -420,6 +514,9 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
                             chunk.iteration.requests(chunk.count, chunk.shape, settings.ns.dtype)}
         chunk.diag = diag_pre_buffers(taken, settings.mode, chunk.stack)
         chunk.step = taken["step"].view(())
+        chunk.rule_buffers = {name[1]: t for name, t in taken.items() if isinstance(name, tuple)}
+        chunk.gradient = taken.get("gradient")
+        chunk.gradient_stored = taken.get("gradient_stored")
         if settings.ns.backend == "auto":
             chunk.iteration = _fastest(chunk, settings)
         if isinstance(chunk.iteration, StackIteration):  # the last iterate's buffer is known
@@ -431,11 +528,13 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
 
 def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
     """``ns_backend="auto"``: on a GPU with Triton, the faster of torch and Triton on this
-    chunk's buffers (one timing, at planning) among those that agree; torch elsewhere."""
+    chunk's buffers (one timing, at planning) among those that agree; torch elsewhere, and
+    where the FLOP rule chose the Gram order (which runs on torch's products)."""
     import importlib.util
 
     X = chunk.ns_input
-    if (X.device.type != "cuda" or X.dtype not in AGREEMENT or X.dtype == torch.float64
+    if (not isinstance(chunk.iteration, StackIteration) or X.device.type != "cuda"
+            or X.dtype not in AGREEMENT or X.dtype == torch.float64
             or importlib.util.find_spec("triton") is None or settings.per_matrix):
         return chunk.iteration
     candidates = {"torch": StackIteration(), "triton": TritonIteration()}
@@ -447,7 +546,7 @@ def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
     """Where each segment's ``M̃`` comes from and where its directions go (class docstrings)."""
     buffers = (chunk.final if chunk.final_readable else None, chunk.stack)
     chunk.targets, chunk.sources = [], ([], [])
-    offset = 0
+    offset, stored = 0, 0
     for segment in chunk.segments:
         bank, layout = segment.bank, segment.bank.layout
         rows = segment.rows = slice(offset, offset + segment.count)
@@ -462,6 +561,10 @@ def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
         else:
             staged = layout.stacked_blocks(bank.gather[segment.lo : segment.hi])[segment.split]
             segment.source = staged if settings.nesterov or bank.assembled else oriented
+        segment.scratch = {name: t[rows] if t.ndim else t
+                           for name, t in chunk.rule_buffers.items()}
+        if chunk.gradient is not None:
+            stored = _carve_gradient(chunk, segment, stored)
         _carve_update(chunk, segment, offset, buffers)
         offset += segment.count
     # a lone plain segment without Nesterov is read where it is: M̃ is the momentum itself
@@ -470,6 +573,26 @@ def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
         chunk.source, only.source = only.momentum.view(chunk.stack.shape), None
     else:
         chunk.source = chunk.stack
+
+
+def _carve_gradient(chunk: Chunk, segment: Segment, stored: int) -> int:
+    """Where a segment's gradients are stacked and copied (:class:`Segment`); ``stored``: the
+    elements of the chunk's stored-layout staging taken so far (returned updated)."""
+    layout, lo, hi = segment.layout, segment.lo, segment.hi
+    segment.gradient = chunk.gradient[segment.rows]
+    if layout.plain and not segment.bank.assembled:
+        segment.gradient_stack = segment.gradient.view(hi - lo, *layout.stored)
+        return stored
+    if segment.bank.assembled:
+        source = segment.bank.gradient[lo:hi]
+    else:
+        size = (hi - lo) * math.prod(layout.stored)
+        source = segment.gradient_stack = chunk.gradient_stored[stored : stored + size].view(
+            hi - lo, *layout.stored)
+        stored += size
+    oriented = layout.stacked_blocks(source)[segment.split]
+    segment.gradient_copy = (segment.gradient.view(oriented.shape), oriented)
+    return stored
 
 
 def _carve_update(chunk: Chunk, segment: Segment, offset: int,
@@ -530,16 +653,16 @@ def muon_step_bytes(shape: tuple[int, int], dtype: torch.dtype, nesterov: bool) 
 
 
 def plan_workspace(plans: dict[int, tuple[GroupPlan, StackSettings, Sequence[bool], list[Bank]]],
-                   limit: int | None) -> tuple[Workspace, dict[int, list[Chunk]]]:
+                   limit: int | None, rule: Rule) -> tuple[Workspace, dict[int, list[Chunk]]]:
     """The chunks of every planned group (index → its plan, settings, which parameters have a
-    gradient, and the banks this process computes), their buffers reserved in one workspace
-    that the chunks share (each buffer as
-    large as its largest chunk's) and that holds at most ``limit`` bytes where chunks of one
-    parameter allow: the bytes a chunk may take are lowered until the workspace fits."""
+    gradient, and the banks this process computes), their buffers (the method's, ``rule``'s,
+    included) reserved in one workspace that the chunks share (each buffer as large as its
+    largest chunk's) and that holds at most ``limit`` bytes where chunks of one parameter
+    allow: the bytes a chunk may take are lowered until the workspace fits."""
     chunk_bytes = limit
     while True:
         workspace = Workspace()
-        stacks = {index: plan_stacks(plan, settings, workspace, present=present,
+        stacks = {index: plan_stacks(plan, settings, workspace, rule, present=present,
                                      chunk_bytes=chunk_bytes, banks=banks)
                   for index, (plan, settings, present, banks) in plans.items()}
         planned = workspace.reserved_bytes
