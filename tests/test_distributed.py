@@ -7,6 +7,7 @@ from the optimizer's distributed path (the issue's bound for fp32 NS: 1e-6 relat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -87,14 +88,21 @@ def build(kind: str, model: nn.Module, cls: type | None = None, **options):
 def single_process(kind: str, steps: int = STEPS, with_state: bool = False):
     """The reference run, on one thread like the workers (BLAS rounds by thread count): the
     parameters, and with ``with_state`` the optimizer's state by parameter index."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model = make_model()
         opt = build(kind, model)
         train(model, opt, steps)
         params = [p.detach().clone() for p in model.parameters()]
         return (params, matrix_state(model, opt)) if with_state else params
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread, as the workers run (BLAS rounds by thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -511,12 +519,8 @@ def layouts_worker(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("batching", LAYOUT_BATCHING)
 @pytest.mark.parametrize("path", ["ddp", "fsdp"])
 def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, batching, path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         want = run_separate(case, lambda groups: layout_optimizer(groups, batching))
-    finally:
-        torch.set_num_threads(threads)
     for r in range(WORLD):
         got = spawned[r]["layouts"][(case.id, batching, path)]
         assert max_rel_diff([got], [want]) <= TOLERANCE
@@ -528,12 +532,8 @@ def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, ba
 @pytest.mark.parametrize("method", METHOD_LAYOUT_METHODS)
 @pytest.mark.parametrize("path", ["ddp", "fsdp"])
 def test_methods_on_transposed_layouts_match_one_process(spawned, case, method, path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         want = run_separate(case, functools.partial(method_optimizer, method=method))
-    finally:
-        torch.set_num_threads(threads)
     for r in range(WORLD):
         assert max_rel_diff([spawned[r]["layouts"][(case.id, method, path)]], [want]) <= TOLERANCE
 
