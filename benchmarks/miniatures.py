@@ -68,6 +68,14 @@ def shown(name: str, folder: Path) -> str:
     return ", ".join(figures)
 
 
+def commit(version) -> str:
+    """The short commit of a :class:`muoneq.suite.code_version.CodeVersion`, ``(dirty)``
+    when its tracked files differed from it."""
+    if version.commit is None:
+        return "no commit"
+    return version.commit[:10] + (" (dirty)" if version.dirty else "")
+
+
 def run(name: str, runs_dir: Path) -> dict:
     """The command timed from nothing: its folder, the one this command wrote the last time,
     is removed first (the runs of a study already there would not run again)."""
@@ -130,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or [*sweeps, *OTHERS]
     import torch
 
+    from muoneq.suite import code_version
     from muoneq.suite.machine import device_name
-    from muoneq.suite.runtime.record import git_commit, git_dirty
 
     path = args.out.with_suffix(".json")
     record = json.loads(path.read_text()) if path.is_file() else {"miniatures": []}
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command(name).line} …", flush=True)
         entry = {**run(name, args.runs_dir.resolve()),
                  "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                 "commit": f"{(git_commit() or '?')[:10]}{' (dirty)' if git_dirty() else ''}",
+                 "commit": commit(code_version.current()),
                  "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count()}
         # a command measured again replaces its row; the others keep theirs
         record["miniatures"] = sorted([m for m in record["miniatures"] if m["name"] != name]
