@@ -56,7 +56,7 @@ train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=f
 	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(if $(TOKENIZER),task.data.tokenizer=$(TOKENIZER)) $(ARGS)
 
-figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
+figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: minutes on a laptop's CPU)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
 
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon and the public Muons -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     from muoneq.suite import code_version
     from muoneq.suite.machine import device_name
 
+    # the code every command runs: the checkout as it is now, before this writes its record
+    code = commit(code_version.current())
     path = args.out.with_suffix(".json")
     record = json.loads(path.read_text()) if path.is_file() else {"miniatures": []}
     order = [*sweeps, *OTHERS]
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command(name).line} …", flush=True)
         entry = {**run(name, args.runs_dir.resolve()),
                  "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                 "commit": commit(code_version.current()),
+                 "commit": code,
                  "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count()}
         # a command measured again replaces its row; the others keep theirs
         record["miniatures"] = sorted([m for m in record["miniatures"] if m["name"] != name]
