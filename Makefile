@@ -40,8 +40,8 @@ test-fast: $(STAMP) ## the suite without tests marked slow or distributed
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
 
-demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on CPU
-	$(PY) -m muoneq demo
+demo: $(STAMP) ## the main job: a miniature of the paper's ablation, offline on CPU (ARGS="--runs-dir DIR")
+	$(PY) -m muoneq demo $(ARGS)
 
 # Token shards (`muoneq data`): TOKENS= training-token budget, OUT= folder, ARGS= more flags
 # (e.g. ARGS="--workers 32 --hf-config sample-10BT"). Re-running resumes; see docs/language.md "Data".
@@ -56,7 +56,7 @@ train-llama-tiny: $(STAMP) ## CPU run of the language pipeline: shards of TEXT=f
 	$(PY) -m muoneq data --source $(TEXT) --out $(or $(OUT),data/shakespeare) --val-tokens 32768 --shard-tokens 1M $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 	$(PY) -m muoneq train experiment=llama_tiny_shakespeare task.data.dir=$(or $(OUT),data/shakespeare) $(if $(TOKENIZER),task.data.tokenizer=$(TOKENIZER)) $(ARGS)
 
-figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: ~1 min on 2 CPUs)
+figure-ns-geometry: $(STAMP) ## Figure 1 study: NS error, κ, bias of none/R/C/RC -> runs/ns_geometry[_quick] (QUICK=1: minutes on a laptop's CPU)
 	$(PY) -m muoneq spectra $(if $(QUICK),--quick) $(ARGS)
 
 bench: $(STAMP) ## time one optimizer step vs torch.optim.Muon and the public Muons -> runs/bench/step_<device>.json (QUICK=1: smoke run; ARGS="--sets gpt2_small")
@@ -107,8 +107,8 @@ lrsweep-llama350m: $(STAMP) ## Figure 5b: LLaMA2-350M/C4 pilot, 36 runs x 7.5B t
 table-llama: $(STAMP) ## Table 1: LLaMA2 130M/350M/1B on C4, 24 runs (~2,100 H100-h; MINI=1: minutes on a CPU)
 	$(call sweep_and_report,table-llama)
 
-miniatures: $(STAMP) ## every study's miniature (MINI=1) in turn, timed -> benchmarks/results/miniatures.{json,md} (NAMES="ksweep-gpt2 ...")
-	$(PY) benchmarks/miniatures.py $(NAMES)
+miniatures: $(STAMP) ## every study's miniature (MINI=1), the demo, figure-ns-geometry QUICK=1, timed -> benchmarks/results/miniatures.{json,md} (NAMES="demo ...")
+	$(PY) benchmarks/miniatures.py $(NAMES) $(ARGS)
 
 RUNS ?= runs
 report: $(STAMP) ## tables and figures of STUDY=runs/<name> (or a sweep file); default: every study in RUNS=runs/ (those without a finished run skipped)

@@ -247,7 +247,7 @@ class Doc:
 
 MAKE_TEST = "a test of this module runs this target through make"
 README_COMMANDS: dict[str, Doc] = {
-    "make demo": Doc("skip", "the main job itself (~4 min on 2 cores), run by hand"),
+    "make demo": Doc("skip", "the main job itself, minutes on 2 cores: make miniatures times it"),
     "pip install .": Doc("skip", "tests/test_packaging.py builds the wheel and installs it"),
     "make ksweep-gpt2 MINI=1": Doc("make", "tests/test_miniatures.py runs every miniature "
                                            "through make"),

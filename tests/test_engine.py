@@ -427,7 +427,7 @@ DEFAULT_PLANS = {"gpt2_small": (38.3, 33, 1025), "llama2_130m": (27.0, 48, 1490)
 def test_the_default_workspace_is_within_twice_torch_muons_extra_memory(name):
     """The default bound keeps a step's extra memory (the workspace: a stacked step allocates
     nothing else) within twice what torch.optim.Muon's step takes; what that costs in
-    operations against whole-shape chunks is stated here (and in docs/performance.md)."""
+    operations against whole-shape chunks is stated here."""
     shapes = MATRIX_SETS[name](False)
     params = [nn.Parameter(torch.zeros(s, device="meta")) for s in shapes]
     for p in params:

@@ -345,16 +345,29 @@ def test_report_md_shows_every_figure_and_tensorboard_is_replaced(tmp_path):
                     "optuna_slice_Muon-Nes.png", "optuna_slice_MuonEq-Nes.png", "robustness.png"]
     for name in pngs:
         assert f"]({name})" in markdown, name
-    # TensorBoard holds each figure as its PNG, pixel for pixel, under one tag each
+    # TensorBoard's Images tab shows every image 350 pixels wide: a figure of one panel goes
+    # there as its PNG, pixel for pixel, one of several panels as one image per panel, drawn
+    # alone, so that 10-point text (the heatmaps' digits) is shown at least 10 pixels tall
+    # (when both heatmaps went as one image it was 4 pixels, a contour of two axes 7)
+    from muoneq.suite.report.figures import card_text_px
+
     events = EventAccumulator(str(report.out_dir / "tensorboard"),
                               size_guidance={IMAGES: 0}).Reload()
     images = {tag: imread(io.BytesIO(events.Images(tag)[-1].encoded_image_string))
               for tag in events.Tags()[IMAGES]}
-    assert len(images) == len(pngs)
-    for name in pngs:
-        logged = [tag for tag in images if tag.rsplit("/", 1)[-1] in name]
-        assert any(np.array_equal(images[tag], imread(report.out_dir / name))
-                   for tag in logged), name
+    methods = ("Muon-Nes", "MuonEq-Nes")
+    assert sorted(images) == sorted([
+        "robustness", *(f"heatmaps/{m}" for m in methods),
+        *(f"optuna/contour/{m}" for m in methods),
+        *(f"optuna/slice/{m}/{axis}" for m in methods for axis in ("lr", "momentum"))])
+    for one in ("robustness", "optuna/contour/Muon-Nes"):
+        assert np.array_equal(images[one], imread(report.out_dir / f"{one.replace('/', '_')}.png"))
+    for tag, image in images.items():
+        assert card_text_px(10, image.shape[1]) >= 10, (tag, image.shape)
+    whole = imread(report.out_dir / "heatmaps.png")
+    for m in methods:  # one panel of the two, not the figure
+        panel = images[f"heatmaps/{m}"]
+        assert panel.shape[1] < whole.shape[1] / 1.5
 
 
 def test_heatmap_panels_are_laid_out_as_the_paper_s_figure_8():

@@ -1,7 +1,8 @@
 """``make demo`` (``muoneq demo``): a miniature of the paper's ablation, offline on a CPU.
 
-End to end, in about four minutes on two cores (3 min 44 s to 3 min 58 s on an AVX2-only EPYC,
-its trials forked from a warm server: :mod:`muoneq.suite.sweeps.warm`).
+End to end in minutes on two cores, its trials forked from a warm server
+(:mod:`muoneq.suite.sweeps.warm`); ``make miniatures`` records its time and table
+(``benchmarks/results/miniatures.md``).
 
 1. **Real text that ships with Python**: the English documentation topics every Python
    installation carries (``pydoc_data.topics``, ~465 kB, one document per topic), tokenized to
@@ -18,10 +19,9 @@ its trials forked from a warm server: :mod:`muoneq.suite.sweeps.warm`).
    Muon-Nes and AdamW with 95% intervals, the token-efficiency speedups, whether each
    optimizer's best lr is bracketed, learning curves, all also in TensorBoard.
 
-Each run is a process forked from a server that imported the runtime once (half a second to
-its first step; ``make bench-trial`` measures every phase of one), then 100 steps of ~0.06 s
-and 20 validations, ~8 s in all: within a budget of a few minutes three
-paired seeds (the t quantile is 12.7 with two) leave room for 15 points, so the paper's
+Each run is a process forked from a server that imported the runtime once, then 100 steps
+and 20 validations (``make bench-trial`` times every phase of one): within a budget of minutes
+three paired seeds (the t quantile is 12.7 with two) leave room for 15 points, so the paper's
 lr × momentum heatmap (``make heatmap-gpt2``) is not part of the demo.
 """
 

@@ -11,6 +11,7 @@ says which way is better.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -116,13 +117,68 @@ def better_note(direction: str) -> str:
     return "lower is better" if direction == "minimize" else "higher is better"
 
 
-def _save(fig: Figure, path: Path, writer, tag: str) -> Path:
-    """Save ``fig`` as the PNG ``path`` and log that image to TensorBoard under ``tag``: the
-    same pixels in both, drawn once (``add_figure`` would draw the figure again, the slowest
-    part of a report)."""
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+#: Pixels per inch of every figure: 10-point text is 17 pixels tall.
+DPI = 120
+#: TensorBoard's Images tab shows every image this many pixels wide (``tf-image-loader``:
+#: ``width: 350px``, the image at ``width: 100%``), scaled up or down to it; its Time Series
+#: tab fits an image into a card at least 335 pixels wide. What is drawn 1 inch wide there
+#: is shown :data:`TENSORBOARD_CARD_PX` pixels wide: a figure of several panels goes there one
+#: panel per image, and the figures are sized so that a panel is about 5 inches wide.
+TENSORBOARD_CARD_PX = 350
+
+
+def card_text_px(points: float, image_width_px: int) -> float:
+    """How tall ``points``-point text of an image ``image_width_px`` wide, drawn at
+    :data:`DPI`, is shown on TensorBoard's image card (10 pixels is small but legible)."""
+    return points / 72 * DPI * TENSORBOARD_CARD_PX / image_width_px
+
+
+def _panels(fig: Figure) -> list:
+    """The figure's visible panels: its axes that hold data (not a colour bar)."""
+    return [ax for ax in fig.axes
+            if ax.get_visible() and ax.get_label() != "<colorbar>" and ax.has_data()]
+
+
+def panel_name(ax) -> str:
+    """A panel's name in TensorBoard: its title up to a colon, else its x label."""
+    return ax.get_title().split(":")[0] or ax.get_xlabel()
+
+
+def _panel_images(fig: Figure, name: Callable = panel_name) -> list[tuple[str, np.ndarray]]:
+    """``(name, RGBA pixels)`` of every panel of ``fig`` drawn alone, at :data:`DPI` and cut
+    to its own extent (title, tick labels, axis labels and legend; the figure's title, colour
+    bar and other panels hidden), named by ``name`` (``/`` spelled ``_``: a tag's ``/`` groups
+    TensorBoard's cards)."""
+    panels = _panels(fig)
+    names = [(name(ax) or f"panel {i + 1}").replace("/", "_") for i, ax in enumerate(panels)]
+    shown = [a for a in fig.get_children() if a is not fig.patch and a.get_visible()]
+    out = []
+    try:
+        for panel, label in zip(panels, names, strict=True):
+            for artist in shown:
+                artist.set_visible(artist is panel)
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight")
+            buffer.seek(0)
+            out.append((label, imread(buffer)))
+    finally:
+        for artist in shown:
+            artist.set_visible(True)
+    return out
+
+
+def _save(fig: Figure, path: Path, writer, tag: str, name: Callable = panel_name) -> Path:
+    """Save ``fig`` as the PNG ``path`` and log it to TensorBoard under ``tag``: the saved
+    pixels (``add_figure`` would draw the figure again, the slowest part of a report), or with
+    several panels one image per panel, ``<tag>/<name(panel)>`` (:data:`TENSORBOARD_CARD_PX`)."""
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
     if writer is not None:
-        writer.add_image(tag, imread(path), dataformats="HWC")
+        panels = _panels(fig)
+        if len(panels) > 1:
+            for panel, image in _panel_images(fig, name):
+                writer.add_image(f"{tag}/{panel}", image, dataformats="HWC")
+        else:
+            writer.add_image(tag, imread(path), dataformats="HWC")
     return path
 
 
@@ -209,7 +265,8 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
                                   *zip(g[:-1, :].flat, g[1:, :].flat, strict=True))])
     where = panel_layout(list(panels), panel_axes)
     rows, cols = (max(v[i] for v in where.values()) + 1 for i in (0, 1))
-    fig = Figure(figsize=(cols * (0.9 * len(xs) + 1.6) + 1.4, rows * (0.6 * len(ys) + 1.4) + 0.8),
+    # a panel within 5 inches up to 6 columns: TensorBoard shows it alone (TENSORBOARD_CARD_PX)
+    fig = Figure(figsize=(cols * (0.6 * len(xs) + 1.2) + 1.2, rows * (0.45 * len(ys) + 1.2) + 0.8),
                  layout="constrained")
     grid_axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
     for ax in grid_axes.flat:
@@ -285,7 +342,8 @@ def robustness_markdown(panels: Sequence[HeatmapPanel], spec: HeatmapSpec, metri
 
 
 def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
-    fig = Figure(figsize=(1.4 * len(panels) + 3.0, 3.8), layout="constrained")
+    # within 5 inches up to 4 panels (TENSORBOARD_CARD_PX), room for the legend above the bars
+    fig = Figure(figsize=(max(4.2, 0.6 * len(panels) + 2.2), 3.4), layout="constrained")
     ax = fig.add_subplot()
     positions = np.arange(len(panels))
     pct = f"{spec.robustness_pct:g}%"
@@ -297,7 +355,7 @@ def _robustness_figure(panels, spec, metric, best, out_dir, writer) -> None:
         shares = [getattr(p, attr) for p in panels]
         bars = ax.bar(positions + shift, shares, 0.4, color=color, label=label)
         ax.bar_label(bars, [f"{round(v * p.grid.size)}/{p.grid.size}"
-                            for v, p in zip(shares, panels, strict=True)], fontsize=7)
+                            for v, p in zip(shares, panels, strict=True)], fontsize=8)
     ax.set_xticks(positions, [p.title for p in panels], rotation=20, ha="right")
     ax.set_ylim(0, 1.3)
     ax.set_yticks(np.linspace(0, 1, 6))
@@ -457,7 +515,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
     palette = palette or Palette()
     out = {}
     for tag in spec.tags:
-        fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+        fig = Figure(figsize=(7.4, 3.6), layout="constrained")  # TENSORBOARD_CARD_PX
         ax, zoom = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
         plotted: dict[str, Curve] = {}
         style = palette.styles()
@@ -498,7 +556,7 @@ def learning_curves(runs: list[dict], spec: CurveSpec, axes: Sequence[str], obje
             ax.set_yscale("log")  # to 6: on a linear axis the close curves would be one line
         ax.set_ylabel(tag + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
         _zoom_on_the_end(zoom, plotted, tag)
         name = figure_name(tag)
         path = _save(fig, out_dir / f"curve_{name}.png", writer, f"curves/{name}")

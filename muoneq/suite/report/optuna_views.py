@@ -42,7 +42,7 @@ from optuna.distributions import (
 from optuna.importance import PedAnovaImportanceEvaluator
 
 from muoneq.suite.files import slug
-from muoneq.suite.report.figures import _save
+from muoneq.suite.report.figures import _save, panel_name
 from muoneq.suite.report.records import StudyData
 from muoneq.suite.report.tables import axis_name, cells, setting_label
 from muoneq.suite.sweeps import distributions
@@ -181,16 +181,22 @@ def _thinned(values: list[float], log: bool) -> list[float]:
 
 
 def _make_room(fig, name: str, n_axes: int) -> None:
-    """Optuna draws its n×n contour grid (1×n slices) at one fixed figure size: from three axes
-    on, axis names and labels of neighbouring panels run into each other. Give each panel a
-    fixed size and slant the x tick labels."""
-    width, height = fig.get_size_inches()
-    rows = n_axes if name == "contour" else 1
-    fig.set_size_inches(max(width, 3.4 * n_axes + 1.5), max(height, 3.0 * rows + 0.8))
+    """Optuna draws its n×n contour grid (1×n slices; one contour of two axes) at one fixed
+    figure size: from three axes on, axis names and labels of neighbouring panels run into
+    each other, and a panel is wider than TensorBoard's card (``TENSORBOARD_CARD_PX``). Give
+    each panel a fixed size and slant the x tick labels."""
+    cols = 1 if name == "contour" and n_axes == 2 else n_axes
+    rows = cols if name == "contour" else 1
+    fig.set_size_inches(3.4 * cols + 1.2, 3.0 * rows + 0.8)
     for ax in fig.axes:
         for label in ax.get_xticklabels():
             label.set_rotation(25)
             label.set_horizontalalignment("right")
+
+
+def contour_panel(ax) -> str:
+    """A contour panel's name in TensorBoard: its two axes."""
+    return f"{ax.get_xlabel()} × {ax.get_ylabel()}"
 
 
 def _method_colours(fig, points: list[PointMean], palette) -> None:
@@ -326,11 +332,12 @@ def write_views(data: StudyData, out_dir: Path, writer=None, palette=None) -> Op
             drawn = draw()
             fig = (drawn.flat[0] if hasattr(drawn, "flat") else drawn).figure
             fig.suptitle(f"{kind.capitalize()}: {label}" if kind != "importances" else
-                         f"PED-ANOVA importances of {data.objective}: {label}")
+                         f"PED-ANOVA importances of {data.objective}\n{label}")
             for ax in fig.axes:  # a panel's own "Slice Plot", "Hyperparameter Importances"
                 for loc in ("left", "center", "right"):
                     ax.set_title("", loc=loc)
             if kind == "importances":
+                fig.set_size_inches(4.6, 3.4)  # TENSORBOARD_CARD_PX (Optuna's: 6.4 × 4.8)
                 ax = fig.axes[0]
                 ax.set_yticks(ax.get_yticks(), [axis_name(t.get_text())
                                                 for t in ax.get_yticklabels()])
@@ -340,9 +347,13 @@ def write_views(data: StudyData, out_dir: Path, writer=None, palette=None) -> Op
                 _label_axes(fig, group)
             if kind == "slice":
                 _method_colours(fig, group, palette)
+                for ax in fig.axes:  # each panel readable alone, as TensorBoard shows it
+                    ax.tick_params(labelleft=True)
             # the saved image in TensorBoard too: Optuna's layout would cut labels off
             tag = "optuna/" + stem.removeprefix("optuna_").replace("_", "/", 1)
-            files.append(_save(fig, out_dir / f"{stem}.png", writer, tag))
+            # a panel in TensorBoard: a slice by its axis, a contour by its two
+            files.append(_save(fig, out_dir / f"{stem}.png", writer, tag, contour_panel
+                               if kind == "contour" else panel_name))
             plt.close(fig)
     return OptunaViews(varying, found, len(points), files, "; ".join(notes))
 

@@ -179,7 +179,7 @@ def figure(found: Speedup, out_dir: Path, writer=None, palette: Palette | None =
     """Loss against tokens (log scale) of both rows, mean over the pairs' seeds with the min–max
     band, the baseline's final loss dashed, and each pair's crossing marked."""
     c = found.comparison
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    fig = Figure(figsize=(4.8, 3.6), layout="constrained")  # figures.TENSORBOARD_CARD_PX
     ax = fig.add_subplot()
     style = (palette or Palette()).styles()
     for curve, scale, label, entry in zip(found.curves, found.scales,
@@ -218,7 +218,7 @@ def figure(found: Speedup, out_dir: Path, writer=None, palette: Palette | None =
     ax.set_ylabel(found.tag)
     seeds = len(found.crossings)
     group = f"{c.group}: " if c.group is not None else ""
-    ax.set_title(f"{group}{c.candidate} vs {c.baseline}: {found.tag}, mean over {seeds} seed"
+    ax.set_title(f"{group}{c.candidate} vs {c.baseline}\n{found.tag}, mean over {seeds} seed"
                  + ("s, band: min–max" if seeds > 1 else ""), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower left")

@@ -3,11 +3,10 @@
 A training step on a CPU allocates and frees the same activations and gradients every step
 (megabytes each). glibc's ``malloc`` hands such blocks back to the kernel when they are freed
 (``munmap`` above its mmap threshold, a heap trimmed past its trim threshold), so the next step
-takes them again page by page: about a thousand page faults and 1–3 ms of kernel time per step of
-the demo's tiny LLaMA (5–10 % of its step on this project's 2-core CPUs; measured with
-``getrusage``, docs/performance.md "Per trial"). :func:`keep_freed_memory` raises both thresholds
-with ``mallopt`` so that the process keeps what it freed for its next step: the step stops
-faulting and its numbers do not change (only where the bytes live). It costs at most
+takes them again page by page: hundreds of page faults and milliseconds of kernel time per
+step of the demo's tiny LLaMA (``getrusage`` counts them). :func:`keep_freed_memory` raises both
+thresholds with ``mallopt`` so that the process keeps what it freed for its next step: the step
+stops faulting and its numbers do not change (only where the bytes live). It costs at most
 :data:`TRIM_THRESHOLD` bytes of memory the process keeps after it frees them.
 
 PyTorch's CPU performance guides recommend preloading jemalloc or tcmalloc for the same reason;

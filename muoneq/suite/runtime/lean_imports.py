@@ -3,11 +3,11 @@
 Lightning imports torchmetrics (for its ``Metric`` class), and torchmetrics 1.x imports, when
 they are installed, torchvision (for its image and detection metrics), transformers (BERTScore,
 InfoLM, CLIPScore), ``scipy.signal`` and matplotlib (plots) as soon as it is imported, whether or
-not one of those metrics is ever built: ~40 % of a run process's imports on this project's CPUs
-(docs/performance.md, "Per trial"). Neither library offers a switch, so
-:func:`import_lightning` gives torchmetrics the answer it would get without them: while Lightning
-(and with it torchmetrics) is imported, ``lightning_utilities``' availability checks, through
-which both libraries ask, say that these packages are not installed.
+not one of those metrics is ever built: a large share of a run process's imports
+(``python -X importtime``; ``make bench-trial`` times a trial's imports). Neither library offers
+a switch, so :func:`import_lightning` gives torchmetrics the answer it would get without them:
+while Lightning (and with it torchmetrics) is imported, ``lightning_utilities``' availability
+checks, through which both libraries ask, say that these packages are not installed.
 
 The answers are cached by torchmetrics for the life of the process: in it, torchmetrics' metrics
 that need one of these packages say that it is missing. So only a task that declares it uses none

@@ -1,7 +1,7 @@
 """``muoneq spectra``: run the synthetic Newton–Schulz geometry study (the paper's
 Figure 1).
 
-    muoneq spectra --quick                 # small sizes, 2 seeds: about a minute on 2 CPU cores
+    muoneq spectra --quick                 # small sizes, 2 seeds: minutes on a laptop's CPU
     muoneq spectra                         # the paper's sizes 1024/4096 (GPU or many cores)
     muoneq spectra --sizes 256x1024 --kappas 10,1e3 --ranges 100 --seeds 3 --out runs/mine
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes {'/'.join(f'{m}x{n}' for m, n in QUICK_SIZES)} "
-                   "and 2 seeds (about a minute on 2 CPU cores)")
+                   "and 2 seeds (minutes on a laptop's CPU)")
     p.add_argument("--out", help="run folder (default runs/ns_geometry, or "
                    "runs/ns_geometry_quick with --quick); an existing one is resumed")
     p.add_argument("--fresh", action="store_true", help="discard earlier results in --out")
