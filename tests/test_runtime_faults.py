@@ -192,10 +192,14 @@ def test_a_links_target_loses_only_the_files_the_run_wrote(tmp_path, capsys):
         "last-step000000004.ckpt.sha256"]
 
 
-def test_two_runs_whose_checkpoints_link_to_one_folder_are_refused_together(tmp_path, capsys):
+@pytest.mark.parametrize("folder", ["checkpoints", "tensorboard"])
+def test_two_runs_whose_folders_link_to_one_folder_are_refused_together(tmp_path, capsys,
+                                                                        folder):
     """Two runs whose checkpoints/ link to one scratch folder, started together, used to both
     exit 0: the folder ended with one run's best.ckpt and last-step…ckpt, and the other run's
-    folder handed out its weights. The one-writer lock covers where the files really go."""
+    folder handed out its weights. The one-writer lock covers where the files really go. A new
+    run whose tensorboard/ was a link used to be refused as "not a run folder", where a
+    checkpoints/ link worked: both work alike."""
     from muoneq.suite.runtime import run_folder
 
     scratch = tmp_path / "scratch"
@@ -203,21 +207,23 @@ def test_two_runs_whose_checkpoints_link_to_one_folder_are_refused_together(tmp_
     first, second = tmp_path / "first", tmp_path / "second"
     for run in (first, second):
         run.mkdir()
-        (run / "checkpoints").symlink_to(scratch)
+        (run / folder).symlink_to(scratch)
     args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={second}")
     with run_folder.hold(first, ["the", "first"]):  # a live run writes there
         before = tree(tmp_path)
         assert main(["train", *args]) == 2
         line = one_line(capsys.readouterr().err)
-        assert line.startswith(f"muoneq: {scratch}, where {second / 'checkpoints'} leads, is "
+        assert line.startswith(f"muoneq: {scratch}, where {second / folder} leads, is "
                                f"being written by process {os.getpid()} on ")
-        assert line.endswith("muoneq train the first), and runs that wrote one folder at once "
-                             "would mix their files; link checkpoints/ to a folder of its own, "
+        assert line.endswith(f"muoneq train the first), and runs that wrote one folder at once "
+                             f"would mix their files; link {folder}/ to a folder of its own, "
                              "or wait for that run to end (or stop it)")
         assert tree(tmp_path) == before
     assert not (scratch / run_folder.LOCK_NAME).exists()  # released with the first run
     assert main(["train", *args]) == 0
     assert not (scratch / run_folder.LOCK_NAME).exists()
+    written = {"checkpoints": "last-step000000004.ckpt", "tensorboard": "hparams.yaml"}[folder]
+    assert (scratch / written).is_file()  # the run's files went where its link leads
 
 
 def test_a_run_folder_that_links_out_of_the_runs_root_is_refused(tmp_path, capsys):

@@ -255,7 +255,7 @@ def _check_ours(run_dir: Path) -> dict | None:
     if previous is None and not (run_dir / METRICS_FILE).is_file():
         made = [what for what, there in (
             (f"{CHECKPOINT_DIR}/", bool(checkpoints.last_checkpoints(run_dir))),
-            (f"{TENSORBOARD_DIR}/", (run_dir / TENSORBOARD_DIR).is_dir()),
+            (f"{TENSORBOARD_DIR}/", run_folder.holds_tensorboard_files(run_dir)),
             (ROUTING_FILE, (run_dir / ROUTING_FILE).exists())) if there]
         if made:  # a run would write over them
             raise RunFolderError(
