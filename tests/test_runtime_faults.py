@@ -192,6 +192,36 @@ def test_a_links_target_loses_only_the_files_the_run_wrote(tmp_path, capsys):
         "last-step000000004.ckpt.sha256"]
 
 
+def test_every_file_a_run_writes_in_its_linked_folders_is_listed(tmp_path, capsys):
+    """.written listed the checkpoints and event files but not hparams.yaml (Lightning's
+    logger) nor spectra.csv (the spectral monitor), so an attempt that started over left them in
+    a link's target, and Lightning, which writes hparams.yaml only where there is none, kept the
+    earlier attempt's."""
+    run, scratch, logs = tmp_path / "run", tmp_path / "scratch", tmp_path / "logs"
+    for folder in (scratch, logs):
+        folder.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch)
+    (run / "tensorboard").symlink_to(logs)
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}", "spectra.enabled=true",
+                "spectra.steps=[1]", "spectra.log_figures=false")
+
+    def unlisted() -> set[str]:
+        listed = {p.name for p in Written(run).files()}
+        return {p.name for folder in (scratch, logs) for p in folder.iterdir()} - listed
+
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(2)])  # before the first (end of epoch) checkpoint
+    assert {"hparams.yaml", "spectra.csv"} <= {p.name for p in logs.iterdir()}
+    assert unlisted() == set()
+    (logs / "hparams.yaml").write_text("the: earlier attempt\n")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert "starting over" in capsys.readouterr().out
+    assert unlisted() == set()
+    assert "the: earlier attempt" not in (logs / "hparams.yaml").read_text()
+
+
 @pytest.mark.parametrize("folder", ["checkpoints", "tensorboard"])
 def test_two_runs_whose_folders_link_to_one_folder_are_refused_together(tmp_path, capsys,
                                                                         folder):

@@ -44,7 +44,12 @@ import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite import code_version
 from muoneq.suite.errors import Diverged, Interrupted
-from muoneq.suite.files import atomic_write, full_disk_in_threads_said_once, reporting_full_disk
+from muoneq.suite.files import (
+    atomic_write,
+    full_disk_in_threads_said_once,
+    reporting_full_disk,
+    temporary_path,
+)
 from muoneq.suite.runtime import checkpoints, record, run_folder
 from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop, StopNow
 from muoneq.suite.runtime.checkpoints import (
@@ -211,9 +216,9 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
         _check_stamp(cfg, run_dir, start, data)
     fingerprint = (start.previous["provenance"]["fingerprint"] if start.checkpoint is not None
                    else record.config_fingerprint(record.resolved(cfg)))
-    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data)]
-    if cfg.spectra.enabled:
-        callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
+    monitor = OmegaConf.to_object(cfg.spectra).monitor() if cfg.spectra.enabled else None
+    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data),
+                 *([monitor] if monitor is not None else [])]
     trainer = build_trainer(
         cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
         callbacks=callbacks,
@@ -222,7 +227,7 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
         record.check_same_run(run_dir, start.previous, cfg, finished=False,
                               world_size=trainer.world_size)
     if trainer.is_global_zero:
-        _open_session(trainer, cfg, module, run_dir, start, argv)
+        _open_session(trainer, cfg, module, run_dir, start, argv, monitor)
 
     interruption = _callback(trainer, Interruption)
     try:
@@ -335,9 +340,11 @@ def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | Non
 
 
 def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,
-                  argv: list[str] | None) -> None:
-    """On rank 0: set the damaged checkpoints aside, record the session (a new run's
-    ``config.yaml``, or one more session of a resumed one) and declare the HParams view."""
+                  argv: list[str] | None, monitor=None) -> None:
+    """On rank 0: set the damaged checkpoints aside, list what the session writes in
+    ``tensorboard/`` (``monitor``: the spectral monitor, if any), record the session (a new
+    run's ``config.yaml``, or one more session of a resumed one) and declare the HParams
+    view."""
     auto = _auto_values(cfg, trainer)
     then = (f"the run resumes from {start.checkpoint.name}" if start.checkpoint is not None
             else "no intact checkpoint is left: the run starts over")
@@ -348,7 +355,11 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
     run_folder.remove_partial_writes(run_dir)  # of a killed session's last writes
     if start.checkpoint is None and start.previous is not None:
         run_folder.clear_attempt(run_dir)
-    Written(run_dir).record(TENSORBOARD_DIR, trainer.logger.events)  # before it writes any
+    # before any is written: this session's event files, Lightning's hparams.yaml, the spectra
+    tensorboard = [trainer.logger.events, trainer.logger.NAME_HPARAMS_FILE]
+    if monitor is not None:
+        tensorboard += [monitor.csv_name, temporary_path(monitor.csv_name).name]
+    Written(run_dir).record(TENSORBOARD_DIR, *tensorboard)
     if start.checkpoint is None:
         record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
     else:
