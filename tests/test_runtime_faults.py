@@ -503,7 +503,6 @@ def test_an_unstamped_checkpoint_is_refused_by_a_run_that_stamps(reference, tmp_
     """Another run's checkpoint without a stamp (a valid checksum, the right step) used to
     resume silently — the identity check was skipped for checkpoints without one — and the run
     finished on the other run's weights."""
-    import yaml
 
     data_dir, _ = reference
     folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
@@ -523,11 +522,75 @@ def test_an_unstamped_checkpoint_is_refused_by_a_run_that_stamps(reference, tmp_
         "resume from the previous checkpoint, or start the run again in another folder "
         "(another run.dir or run.name)")
     assert tree(tmp_path / "mine") == before
-    # a run started by a version that stamped nothing resumes from its unstamped checkpoints
-    record = yaml.safe_load((tmp_path / "mine" / "config.yaml").read_text())
+
+
+def _unstamped(source: Path, target: Path) -> None:
+    """Write the checkpoint ``source`` without its stamp (as a version that stamped none wrote
+    it) to ``target``, with a valid checksum."""
+    saved = torch.load(source, map_location="cpu", weights_only=False)
+    saved.pop(ckpts.STAMP_KEY, None)
+    torch.save(saved, target)
+    ckpts.checksum_path(target).write_text(f"{ckpts._sha256(target)}  {target.name}\n")
+
+
+def test_an_unstamped_checkpoint_of_another_run_is_refused_by_an_older_run(reference, tmp_path,
+                                                                          capsys):
+    """A run folder written by a version that stamped no checkpoint (its config.yaml without
+    stamped_checkpoints) resumed silently from another run's unstamped checkpoint (val/ppl
+    20.94 instead of 27.80, exit 0). What can be checked without a stamp is: the optimizer's
+    hyper-parameters against the config, the weights' shapes, the step against the budget and
+    the checkpoints the run resumed from; its own unstamped checkpoint still resumes."""
+    import yaml
+
+    data_dir, _ = reference
+    folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
+    config = tmp_path / "mine" / "config.yaml"
+    record = yaml.safe_load(config.read_text())
     del record["provenance"]["stamped_checkpoints"]
-    (tmp_path / "mine" / "config.yaml").write_text(yaml.safe_dump(record))
-    assert main(["train", *args, "resume=auto"]) == 0
+    config.write_text(yaml.safe_dump(record))
+    six = folder / "last-step000000006.ckpt"
+    own = tmp_path / "own.ckpt"
+    _unstamped(six, own)
+    how = ": another run saved it; move it out of checkpoints/ to resume from the previous "
+    others = {
+        "lr": ("optimizer.lr=0.01", 7, "its optimizer's param group 'muon' was saved with "
+                                       "lr=0.01, where this run's config gives 0.05"),
+        "width": ("task.model.width=8", 7, "its weight model.conv1.weight has the shape "
+                                           "[8, 3, 3, 3], where this run's model has [4, 3, 3, 3]"),
+        "longer": ("trainer.max_epochs=6", 19, "it holds epoch 4, past this run's "
+                                               "trainer.max_epochs=3"),
+    }
+    for name, (override, stop, why) in others.items():
+        other = tmp_path / name
+        args_other = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={other}",
+                          "trainer.checkpoint_every_n_steps=2", override)
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args_other), callbacks=[StopAt(stop)])
+        for path in folder.glob("last-step*"):
+            path.unlink()
+        (theirs,) = (other / "checkpoints").glob("last-step*.ckpt")
+        planted = folder / theirs.name
+        _unstamped(theirs, planted)
+        before = tree(tmp_path / "mine")
+        capsys.readouterr()
+        assert main(["train", *args, "resume=auto"]) == 2, name
+        assert one_line(capsys.readouterr().err) == (
+            f"muoneq: {planted} carries no stamp of its run (the run was started by a version of "
+            f"muoneq that stamped none), and {why}{how}checkpoint, or start the run again in "
+            "another folder (another run.dir or run.name)")
+        assert tree(tmp_path / "mine") == before
+    for path in folder.glob("last-step*"):
+        path.unlink()
+    _unstamped(own, six)
+    # its own checkpoint of step 6, where config.yaml says a session resumed from step 8
+    record["provenance"]["resumed"] = [{"from_checkpoint": "last-step000000008.ckpt"}]
+    config.write_text(yaml.safe_dump(record))
+    assert main(["train", *args, "resume=auto"]) == 2
+    assert "and it holds step 6, before step 8, which this run already resumed from (its " \
+           "config.yaml): another run saved it" in one_line(capsys.readouterr().err)
+    record["provenance"]["resumed"] = []
+    config.write_text(yaml.safe_dump(record))
+    assert main(["train", *args, "resume=auto"]) == 0  # its own unstamped checkpoint
     assert "resuming" in capsys.readouterr().out
 
 

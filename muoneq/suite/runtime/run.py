@@ -61,6 +61,7 @@ from muoneq.suite.runtime.checkpoints import (
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
 from muoneq.suite.runtime.module import ROUTING_FILE, compiles
+from muoneq.suite.runtime.optim import build_optimizer_from_config
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
 from muoneq.suite.runtime.trainer import build_trainer, check_accelerator, lightning_config_error
@@ -213,7 +214,7 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
     module, datamodule = get_task(cfg.task.name).build(cfg)
     data = getattr(datamodule, "data_identity", lambda: None)()
     if start.checkpoint is not None:
-        _check_stamp(cfg, run_dir, start, data)
+        _check_stamp(cfg, run_dir, start, data, module)
     fingerprint = (start.previous["provenance"]["fingerprint"] if start.checkpoint is not None
                    else record.config_fingerprint(record.resolved(cfg)))
     monitor = OmegaConf.to_object(cfg.spectra).monitor() if cfg.spectra.enabled else None
@@ -301,12 +302,17 @@ def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
     return _Start(previous, checkpoint, damaged)
 
 
-def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None) -> None:
+def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None,
+                 module) -> None:
     """Refuse to resume from a checkpoint that another run saved, that holds another step than
     its name says, or whose data changed since (unless ``run.accept_changed_data``): what its
-    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run."""
+    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run; a checkpoint
+    without one, of a run started before checkpoints were stamped, by what it holds against
+    ``module`` (built from the config) and the config
+    (:func:`~muoneq.suite.runtime.checkpoints.unstamped_mismatch`)."""
     path = start.checkpoint
-    step, stamp = checkpoints.read_stamp(path)
+    saved = checkpoints.read_checkpoint(path)
+    step, stamp = checkpoints.read_stamp(saved)
     how = (f"move it out of {CHECKPOINT_DIR}/ to resume from the previous checkpoint, or start "
            "the run again in another folder (another run.dir or run.name)")
     named = checkpoints.step_of(path)
@@ -320,7 +326,18 @@ def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | Non
                 f"{path} carries no stamp of its run, and every checkpoint this run saves has "
                 f"one ({CONFIG_FILE} says {record.STAMPED}: true): another run saved it, or a "
                 f"version of muoneq that stamped none, and it was copied in; {how}")
-        return  # a run started before checkpoints were stamped
+        # a run started before checkpoints were stamped: what can be checked without one
+        groups = build_optimizer_from_config(module.model, module.optimizer_config).param_groups
+        resumed = [entry.get("from_checkpoint") or "" for entry in
+                   start.previous["provenance"].get("resumed") or []]
+        mismatch = checkpoints.unstamped_mismatch(
+            saved, module, groups, max_steps=cfg.trainer.max_steps,
+            max_epochs=cfg.trainer.max_epochs or -1, resumed=resumed)
+        if mismatch is not None:
+            raise checkpoints.CheckpointError(
+                f"{path} carries no stamp of its run (the run was started by a version of muoneq "
+                f"that stamped none), and {mismatch}: another run saved it; {how}")
+        return
     fingerprint = start.previous["provenance"]["fingerprint"]
     if stamp.get("fingerprint") != fingerprint:
         raise checkpoints.CheckpointError(
