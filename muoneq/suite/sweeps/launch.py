@@ -70,6 +70,9 @@ class Outcome:
     metrics: dict | None = None
     returncode: int | None = None
     message: str = ""
+    #: seconds from its start to its end on this driver's monotonic clock (None: it did not run
+    #: here, e.g. adopted)
+    seconds: float | None = None
 
 
 def build_command(
@@ -296,6 +299,7 @@ def run_process(
         with (run_dir / LOG_NAME).open("ab") as log:
             log.write(f"\n=== {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
             log.flush()
+            began = time.monotonic()
             try:
                 proc = start(argv, env, log, fd)
             except Interrupted as err:
@@ -308,14 +312,14 @@ def run_process(
             except BaseException:  # never leave a process running that no record names
                 _stop(proc)
                 raise
-            start_time, reason = time.monotonic(), None
+            reason = None
             while True:
                 try:
                     proc.wait(timeout=tick_s)
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                if timeout_s is not None and time.monotonic() - start_time > timeout_s:
+                if timeout_s is not None and time.monotonic() - began > timeout_s:
                     reason = "timeout"
                 else:
                     reason = on_tick()
@@ -324,16 +328,17 @@ def run_process(
                     break
     finally:
         os.close(fd)
+    seconds = time.monotonic() - began
     metrics = read_metrics(run_dir)
     tail = log_tail(run_dir)
     if reason:
         return Outcome(reason, metrics, proc.returncode, stopped_message(
-            reason, f"the process {exit_words(proc)}", tail))
+            reason, f"the process {exit_words(proc)}", tail), seconds)
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
-        return Outcome("complete", metrics, proc.returncode)
+        return Outcome("complete", metrics, proc.returncode, seconds=seconds)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
         exit_words(proc))
-    return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip())
+    return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip(), seconds)
 
 
 def wait_for_release(
