@@ -467,6 +467,7 @@ class Launcher:
         #: servers replaced after the checkout changed, closed once their trials ended
         self.retired: list[warm.Server] = []
         self.failed = 0  #: servers that ended on their own
+        self._keep_log = False  #: servers' output goes to the study's log (:meth:`keep_log`)
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -474,11 +475,21 @@ class Launcher:
         return describe_start(self.module, self.why)
 
     def open(self) -> None:
-        """Start the server (its imports run while the driver plans), when trials run warm."""
-        log.info("%s", self.describe())
+        """Start the server, when trials run warm: its imports run while the driver checks and
+        opens the study; its output is held until :meth:`keep_log`."""
         if self.module is not None:
             with self._lock:
                 self._new_server()
+
+    def keep_log(self) -> None:
+        """Say how trials start, and write the servers' output to the study's
+        :data:`~muoneq.suite.sweeps.warm.SERVER_LOG` from now on (once the study folder exists:
+        a sweep whose preflight fails creates nothing, and says only why)."""
+        log.info("%s", self.describe())
+        with self._lock:
+            self._keep_log = True
+            if self.server is not None:
+                self.server.keep_log()
 
     def close(self) -> None:
         with self._lock:
@@ -492,6 +503,8 @@ class Launcher:
         env.pop(self.spec.launch.device_env, None)  # each trial's own, read after the fork
         self.server = warm.Server(self.module, env, self.study_dir / warm.SERVER_LOG)
         self.server.start()
+        if self._keep_log:
+            self.server.keep_log()
         return self.server
 
     def _ready(self) -> warm.Server | None:
