@@ -184,13 +184,19 @@ def test_the_server_imports_while_the_driver_checks_the_study(tmp_path, monkeypa
 
     def checking(spec, study_dir):
         order.append("preflight")
+        # as importing torch._dynamo does in a real preflight: its default compile cache
+        monkeypatch.setenv(launch.COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
         return check(spec, study_dir)
 
     monkeypatch.setattr(warm.Server, "start", starting)
     monkeypatch.setattr(validate, "check_trials", checking)
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], launch=WARM_LAUNCH))
+    monkeypatch.delenv(launch.COMPILE_CACHE_ENV, raising=False)
     assert Driver(spec, options(tmp_path)).run().done == 2
     assert order[:2] == ["server", "preflight"]
+    study = tmp_path / "runs" / "tiny"
+    for run_dir in (p.run_dir(study, 0) for p in spec.points()):  # not spawned: env differs
+        assert forked_by(run_dir) == [servers[0].pid], (run_dir / launch.LOG_NAME).read_text()
     log = (tmp_path / "runs" / "tiny" / warm.SERVER_LOG).read_text()
     assert log.startswith("=== ") and log.count("=== ") == 1
 

@@ -264,6 +264,17 @@ with open(os.path.join(args["run.dir"], "metrics.json"), "w") as fh:
 
 
 def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatch):
+    """Also when the driver's preflight imports torch._dynamo, which sets the variable to
+    torch's default in the driver's environment (not a value of the user's)."""
+    from muoneq.suite.sweeps import validate
+
+    check = validate.check_trials
+
+    def checking(spec, study_dir):
+        monkeypatch.setenv(COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
+        return check(spec, study_dir)
+
+    monkeypatch.setattr(validate, "check_trials", checking)
     monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
     program = tmp_path / "env_program.py"
     program.write_text(ENV_PROGRAM)

@@ -107,10 +107,11 @@ def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
 
 def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
               env_defaults: Mapping[str, str] = MappingProxyType({}),
-              study_dir: Path | None = None) -> dict[str, str]:
+              study_dir: Path | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial on ``devices`` (see :func:`trial_command`)."""
     # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
-    env = {**env_defaults, **os.environ, HPARAMS_ENV: "0",
+    env = {**env_defaults, **(os.environ if environ is None else environ), HPARAMS_ENV: "0",
            **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = ",".join(devices)
@@ -122,20 +123,20 @@ def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
 def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
                   devices: Sequence[str] = (), worker: int = 0,
                   env_defaults: Mapping[str, str] = MappingProxyType({}),
-                  study_dir: Path | None = None):
-    """The argv, environment and fingerprint of one run (the launch template filled in;
-    ``env_defaults`` under the environment and ``launch.env``: :func:`thread_defaults`). With
-    ``study_dir``, the environment points ``torch.compile``'s cache at its ``compile_cache/``
-    (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the environment or ``launch.env``,
-    wins): a compiled trial stores its kernels there and the next ones load them instead of
-    compiling again."""
+                  study_dir: Path | None = None, environ: Mapping[str, str] | None = None):
+    """The argv, environment and fingerprint of one run (the launch template filled in). The
+    environment: ``env_defaults`` (:func:`thread_defaults`) under ``environ`` (None: this
+    process's) under ``launch.env``. With ``study_dir``, it points ``torch.compile``'s cache at
+    the study's ``compile_cache/`` (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the
+    environment or ``launch.env``, wins): a compiled trial stores its kernels there and the
+    next ones load them instead of compiling again."""
     overrides = list(spec.overrides) + point.overrides()
     fields = {**spec.launch.vars, "python": sys.executable,
               "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
               "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
-    env = trial_env(spec, devices, env_defaults, study_dir)
+    env = trial_env(spec, devices, env_defaults, study_dir, environ)
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
     return argv, env, fingerprint
 
@@ -462,6 +463,10 @@ class Launcher:
                  env_defaults: Mapping[str, str]) -> None:
         self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
         self.env_defaults = dict(env_defaults)
+        #: the environment the trials start from: the driver's when it started, before its
+        #: imports changed it (``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to its
+        #: default, which would stand for the user's over the study's compile cache)
+        self.environ = dict(os.environ)
         self.module, self.why = warm_module(spec)
         self.server: warm.Server | None = None
         #: servers replaced after the checkout changed, closed once their trials ended
@@ -499,7 +504,7 @@ class Launcher:
             self.server, self.retired = None, []
 
     def _new_server(self) -> warm.Server:
-        env = trial_env(self.spec, (), self.env_defaults, self.study_dir)
+        env = trial_env(self.spec, (), self.env_defaults, self.study_dir, self.environ)
         env.pop(self.spec.launch.device_env, None)  # each trial's own, read after the fork
         self.server = warm.Server(self.module, env, self.study_dir / warm.SERVER_LOG)
         self.server.start()

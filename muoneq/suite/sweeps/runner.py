@@ -86,7 +86,8 @@ class Runner:
             run_dir = job.point.run_dir(self.study_dir, seed)
             argv, env, fingerprint = launch.trial_command(
                 self.spec, job.point, seed, run_dir, trial=job.number, devices=self.slots[slot],
-                worker=slot, env_defaults=self.env, study_dir=self.study_dir)
+                worker=slot, env_defaults=self.env, study_dir=self.study_dir,
+                environ=self.launcher.environ)
             metrics = launch.read_metrics(run_dir)
             if metrics is not None:
                 launch.check_trial_fingerprint(run_dir, fingerprint)
