@@ -88,6 +88,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, NoReturn
@@ -439,7 +440,9 @@ BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedR
 def _flush_files() -> None:
     """Flush every open buffered file, text wrappers before the buffers under them, as the
     interpreter does when it frees them at its end: a module may hold a file it never closed."""
-    files = [f for f in gc.get_objects() if isinstance(f, BUFFERED)]
+    with warnings.catch_warnings():  # isinstance reads __class__, which some objects warn on
+        warnings.simplefilter("ignore")  # (torch.distributed.reduce_op: a FutureWarning)
+        files = [f for f in gc.get_objects() if isinstance(f, BUFFERED)]
     for file in sorted(files, key=lambda f: not isinstance(f, io.TextIOWrapper)):
         with contextlib.suppress(Exception):
             if not file.closed:
