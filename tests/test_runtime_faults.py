@@ -192,10 +192,44 @@ def test_a_links_target_loses_only_the_files_the_run_wrote(tmp_path, capsys):
         "last-step000000004.ckpt.sha256"]
 
 
-def test_two_runs_whose_checkpoints_link_to_one_folder_are_refused_together(tmp_path, capsys):
+def test_every_file_a_run_writes_in_its_linked_folders_is_listed(tmp_path, capsys):
+    """.written listed the checkpoints and event files but not hparams.yaml (Lightning's
+    logger) nor spectra.csv (the spectral monitor), so an attempt that started over left them in
+    a link's target, and Lightning, which writes hparams.yaml only where there is none, kept the
+    earlier attempt's."""
+    run, scratch, logs = tmp_path / "run", tmp_path / "scratch", tmp_path / "logs"
+    for folder in (scratch, logs):
+        folder.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch)
+    (run / "tensorboard").symlink_to(logs)
+    args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={run}", "spectra.enabled=true",
+                "spectra.steps=[1]", "spectra.log_figures=false")
+
+    def unlisted() -> set[str]:
+        listed = {p.name for p in Written(run).files()}
+        return {p.name for folder in (scratch, logs) for p in folder.iterdir()} - listed
+
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(compose(args), callbacks=[StopAt(2)])  # before the first (end of epoch) checkpoint
+    assert {"hparams.yaml", "spectra.csv"} <= {p.name for p in logs.iterdir()}
+    assert unlisted() == set()
+    (logs / "hparams.yaml").write_text("the: earlier attempt\n")
+    capsys.readouterr()
+    assert main(["train", *args, "resume=auto"]) == 0
+    assert "starting over" in capsys.readouterr().out
+    assert unlisted() == set()
+    assert "the: earlier attempt" not in (logs / "hparams.yaml").read_text()
+
+
+@pytest.mark.parametrize("folder", ["checkpoints", "tensorboard"])
+def test_two_runs_whose_folders_link_to_one_folder_are_refused_together(tmp_path, capsys,
+                                                                        folder):
     """Two runs whose checkpoints/ link to one scratch folder, started together, used to both
     exit 0: the folder ended with one run's best.ckpt and last-step…ckpt, and the other run's
-    folder handed out its weights. The one-writer lock covers where the files really go."""
+    folder handed out its weights. The one-writer lock covers where the files really go. A new
+    run whose tensorboard/ was a link used to be refused as "not a run folder", where a
+    checkpoints/ link worked: both work alike."""
     from muoneq.suite.runtime import run_folder
 
     scratch = tmp_path / "scratch"
@@ -203,21 +237,23 @@ def test_two_runs_whose_checkpoints_link_to_one_folder_are_refused_together(tmp_
     first, second = tmp_path / "first", tmp_path / "second"
     for run in (first, second):
         run.mkdir()
-        (run / "checkpoints").symlink_to(scratch)
+        (run / folder).symlink_to(scratch)
     args = tiny(tmp_path, "trainer.max_epochs=1", f"run.dir={second}")
     with run_folder.hold(first, ["the", "first"]):  # a live run writes there
         before = tree(tmp_path)
         assert main(["train", *args]) == 2
         line = one_line(capsys.readouterr().err)
-        assert line.startswith(f"muoneq: {scratch}, where {second / 'checkpoints'} leads, is "
+        assert line.startswith(f"muoneq: {scratch}, where {second / folder} leads, is "
                                f"being written by process {os.getpid()} on ")
-        assert line.endswith("muoneq train the first), and runs that wrote one folder at once "
-                             "would mix their files; link checkpoints/ to a folder of its own, "
+        assert line.endswith(f"muoneq train the first), and runs that wrote one folder at once "
+                             f"would mix their files; link {folder}/ to a folder of its own, "
                              "or wait for that run to end (or stop it)")
         assert tree(tmp_path) == before
     assert not (scratch / run_folder.LOCK_NAME).exists()  # released with the first run
     assert main(["train", *args]) == 0
     assert not (scratch / run_folder.LOCK_NAME).exists()
+    written = {"checkpoints": "last-step000000004.ckpt", "tensorboard": "hparams.yaml"}[folder]
+    assert (scratch / written).is_file()  # the run's files went where its link leads
 
 
 def test_a_run_folder_that_links_out_of_the_runs_root_is_refused(tmp_path, capsys):
@@ -467,7 +503,6 @@ def test_an_unstamped_checkpoint_is_refused_by_a_run_that_stamps(reference, tmp_
     """Another run's checkpoint without a stamp (a valid checksum, the right step) used to
     resume silently — the identity check was skipped for checkpoints without one — and the run
     finished on the other run's weights."""
-    import yaml
 
     data_dir, _ = reference
     folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
@@ -487,11 +522,75 @@ def test_an_unstamped_checkpoint_is_refused_by_a_run_that_stamps(reference, tmp_
         "resume from the previous checkpoint, or start the run again in another folder "
         "(another run.dir or run.name)")
     assert tree(tmp_path / "mine") == before
-    # a run started by a version that stamped nothing resumes from its unstamped checkpoints
-    record = yaml.safe_load((tmp_path / "mine" / "config.yaml").read_text())
+
+
+def _unstamped(source: Path, target: Path) -> None:
+    """Write the checkpoint ``source`` without its stamp (as a version that stamped none wrote
+    it) to ``target``, with a valid checksum."""
+    saved = torch.load(source, map_location="cpu", weights_only=False)
+    saved.pop(ckpts.STAMP_KEY, None)
+    torch.save(saved, target)
+    ckpts.checksum_path(target).write_text(f"{ckpts._sha256(target)}  {target.name}\n")
+
+
+def test_an_unstamped_checkpoint_of_another_run_is_refused_by_an_older_run(reference, tmp_path,
+                                                                          capsys):
+    """A run folder written by a version that stamped no checkpoint (its config.yaml without
+    stamped_checkpoints) resumed silently from another run's unstamped checkpoint (val/ppl
+    20.94 instead of 27.80, exit 0). What can be checked without a stamp is: the optimizer's
+    hyper-parameters against the config, the weights' shapes, the step against the budget and
+    the checkpoints the run resumed from; its own unstamped checkpoint still resumes."""
+    import yaml
+
+    data_dir, _ = reference
+    folder, args = stopped_at_step_7(data_dir, tmp_path / "mine")
+    config = tmp_path / "mine" / "config.yaml"
+    record = yaml.safe_load(config.read_text())
     del record["provenance"]["stamped_checkpoints"]
-    (tmp_path / "mine" / "config.yaml").write_text(yaml.safe_dump(record))
-    assert main(["train", *args, "resume=auto"]) == 0
+    config.write_text(yaml.safe_dump(record))
+    six = folder / "last-step000000006.ckpt"
+    own = tmp_path / "own.ckpt"
+    _unstamped(six, own)
+    how = ": another run saved it; move it out of checkpoints/ to resume from the previous "
+    others = {
+        "lr": ("optimizer.lr=0.01", 7, "its optimizer's param group 'muon' was saved with "
+                                       "lr=0.01, where this run's config gives 0.05"),
+        "width": ("task.model.width=8", 7, "its weight model.conv1.weight has the shape "
+                                           "[8, 3, 3, 3], where this run's model has [4, 3, 3, 3]"),
+        "longer": ("trainer.max_epochs=6", 19, "it holds epoch 4, past this run's "
+                                               "trainer.max_epochs=3"),
+    }
+    for name, (override, stop, why) in others.items():
+        other = tmp_path / name
+        args_other = tiny(data_dir, "trainer.max_epochs=3", f"run.dir={other}",
+                          "trainer.checkpoint_every_n_steps=2", override)
+        with pytest.raises(RuntimeError, match="stopped by the test"):
+            train(compose(args_other), callbacks=[StopAt(stop)])
+        for path in folder.glob("last-step*"):
+            path.unlink()
+        (theirs,) = (other / "checkpoints").glob("last-step*.ckpt")
+        planted = folder / theirs.name
+        _unstamped(theirs, planted)
+        before = tree(tmp_path / "mine")
+        capsys.readouterr()
+        assert main(["train", *args, "resume=auto"]) == 2, name
+        assert one_line(capsys.readouterr().err) == (
+            f"muoneq: {planted} carries no stamp of its run (the run was started by a version of "
+            f"muoneq that stamped none), and {why}{how}checkpoint, or start the run again in "
+            "another folder (another run.dir or run.name)")
+        assert tree(tmp_path / "mine") == before
+    for path in folder.glob("last-step*"):
+        path.unlink()
+    _unstamped(own, six)
+    # its own checkpoint of step 6, where config.yaml says a session resumed from step 8
+    record["provenance"]["resumed"] = [{"from_checkpoint": "last-step000000008.ckpt"}]
+    config.write_text(yaml.safe_dump(record))
+    assert main(["train", *args, "resume=auto"]) == 2
+    assert "and it holds step 6, before step 8, which this run already resumed from (its " \
+           "config.yaml): another run saved it" in one_line(capsys.readouterr().err)
+    record["provenance"]["resumed"] = []
+    config.write_text(yaml.safe_dump(record))
+    assert main(["train", *args, "resume=auto"]) == 0  # its own unstamped checkpoint
     assert "resuming" in capsys.readouterr().out
 
 

@@ -457,11 +457,14 @@ def test_ctrl_c_stops_every_trial_which_saves_and_the_sweep_says_how_to_continue
 #: ``muoneq sweep`` whose preflight, once it starts, says so in the file argv[1] and then takes
 #: as long as a long one (composing many configs, reading shards on a slow file system) would
 HELD_PREFLIGHT = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from muoneq.suite.sweeps import validate
 def held(*args, **kwargs):
-    Path(sys.argv[1]).write_text("checking")
+    children = [c for t in Path("/proc/self/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    Path(sys.argv[1] + ".part").write_text(" ".join(children))  # its warm server, if any
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
     time.sleep(600)
 validate.check_trials = held
 from muoneq.suite.cli import main
@@ -470,18 +473,24 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_the_preflight_is_one_line_and_exit_130(tmp_path):
+@pytest.mark.parametrize("started", ["spawned", "warm"])
+def test_ctrl_c_during_the_preflight_is_one_line_and_exit_130(tmp_path, started, monkeypatch):
     """Ctrl-C in the terminal while the preflight checks the study, before the driver handles
-    signals: one line, status 130, no traceback, nothing created."""
-    path = write_sweep(tmp_path / "s.yaml", seeds=[0])
-    runs, started, log = tmp_path / "runs", tmp_path / "started", tmp_path / "sweep.log"
+    signals: one line, status 130, no traceback, nothing created, and no warm server left (it
+    imports while the preflight runs, in a session of its own, out of the terminal's reach)."""
+    monkeypatch.chdir(Path(__file__).parents[1])  # the objective program runs as its module
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0],
+                       **({"launch": WARM_LAUNCH} if started == "warm" else {}))
+    runs, held, log = tmp_path / "runs", tmp_path / "held", tmp_path / "sweep.log"
     with log.open("w") as out:
         sweep = subprocess.Popen(
-            [sys.executable, "-c", HELD_PREFLIGHT, str(started), "sweep", str(path),
+            [sys.executable, "-c", HELD_PREFLIGHT, str(held), "sweep", str(path),
              "--runs-dir", str(runs)],
             stdout=out, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
     try:
-        _wait_for(started.exists, sweep, "the preflight", log)
+        _wait_for(held.exists, sweep, "the preflight", log)
+        children = [int(pid) for pid in held.read_text().split()]
+        assert len(children) == (started == "warm")
         os.killpg(sweep.pid, signal.SIGINT)
         sweep.wait(timeout=120)
     finally:
@@ -494,6 +503,7 @@ def test_ctrl_c_during_the_preflight_is_one_line_and_exit_130(tmp_path):
         "muoneq: sweep interrupted (Ctrl-C) while checking the study, before any trial "
         "started; run the same command to start it"], text
     assert not runs.exists()
+    assert [_alive(pid) for pid in children] == [False] * len(children)
 
 
 def test_ctrl_c_in_any_command_without_a_handler_is_one_line(monkeypatch, capsys):

@@ -167,6 +167,71 @@ def test_a_server_that_cannot_start_leaves_the_trials_spawned_saying_why(tmp_pat
         assert not forked_by(run_dir)
 
 
+def test_the_server_imports_while_the_driver_checks_the_study(tmp_path, monkeypatch):
+    """The server used to start once the driver had checked the study (every point's config
+    composed and type-checked) and opened it: seconds a study of short trials paid before its
+    first trial (docs/sweeps.md). It starts first; a check that fails leaves neither a server
+    nor a file (its output is held until the study folder exists)."""
+    from muoneq.suite.sweeps import validate
+
+    order, servers = [], []
+    start, check = warm.Server.start, validate.check_trials
+
+    def starting(server):
+        order.append("server")
+        servers.append(server)
+        start(server)
+
+    def checking(spec, study_dir):
+        order.append("preflight")
+        # as importing torch._dynamo does in a real preflight: its default compile cache
+        monkeypatch.setenv(launch.COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
+        return check(spec, study_dir)
+
+    monkeypatch.setattr(warm.Server, "start", starting)
+    monkeypatch.setattr(validate, "check_trials", checking)
+    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], launch=WARM_LAUNCH))
+    monkeypatch.delenv(launch.COMPILE_CACHE_ENV, raising=False)
+    assert Driver(spec, options(tmp_path)).run().done == 2
+    assert order[:2] == ["server", "preflight"]
+    study = tmp_path / "runs" / "tiny"
+    for run_dir in (p.run_dir(study, 0) for p in spec.points()):  # not spawned: env differs
+        assert forked_by(run_dir) == [servers[0].pid], (run_dir / launch.LOG_NAME).read_text()
+    log = (tmp_path / "runs" / "tiny" / warm.SERVER_LOG).read_text()
+    assert log.startswith("=== ") and log.count("=== ") == 1
+
+    def mistaken(spec, study_dir):
+        raise SweepError("a mistake in the sweep")
+
+    monkeypatch.setattr(validate, "check_trials", mistaken)
+    other = load_sweep(write_sweep(tmp_path / "t.yaml", study="other", launch=WARM_LAUNCH))
+    with pytest.raises(SweepError, match="a mistake in the sweep"):
+        Driver(other, options(tmp_path))
+    assert len(servers) == 2 and gone(servers[1].pid)
+    assert not (tmp_path / "runs" / "other").exists()
+
+
+def test_a_server_log_on_a_full_disk_drops_its_output_and_the_server_goes_on(tmp_path,
+                                                                             caplog):
+    """The driver reads the server's output from a pipe and appends it to its log: on a full
+    disk it says so once and reads on; a server whose pipe filled up (64 KiB) would stop."""
+    (tmp_path / "loud_preload.py").write_text(
+        "import sys\nsys.stdout.write('x' * 300_000 + '\\n')\nsys.stdout.flush()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    server = warm.Server("loud_preload", env, Path("/dev/full"))
+    server.start()
+    try:
+        server.keep_log()
+        server.wait_ready(threading.Event(), timeout=120)
+    finally:
+        server.close()
+    assert gone(server.pid)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "the rest of the warm server's output is dropped: /dev/full: [Errno 28] No space left "
+        "on device"]
+
+
 # ----------------------------------------------------------------------------- faults
 def two_runs(tmp_path: Path, blocked: dict) -> Path:
     """A sweep of two runs, warm; the first point's first attempt waits to be killed."""
@@ -375,6 +440,9 @@ def test_the_runtime_server_imports_the_runtime_and_nothing_of_the_sweep(tmp_pat
         assert trial.wait(timeout=120) == 0, (run_dir / launch.LOG_NAME).read_text()
     finally:
         server.close()
+    # its end looks for open files among its objects, and says nothing (torch's deprecated
+    # reduce_op warned when asked its class)
+    assert "Warning" not in (run_dir / launch.LOG_NAME).read_text()
     seen = set(json.loads((run_dir / "modules.json").read_text()))
     assert {"lightning.pytorch", "muoneq.suite.runtime.run", "muoneq_tasks.language"} <= seen
     assert not {"optuna", "sqlalchemy", "muoneq.suite.sweeps.driver",

@@ -264,6 +264,17 @@ with open(os.path.join(args["run.dir"], "metrics.json"), "w") as fh:
 
 
 def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatch):
+    """Also when the driver's preflight imports torch._dynamo, which sets the variable to
+    torch's default in the driver's environment (not a value of the user's)."""
+    from muoneq.suite.sweeps import validate
+
+    check = validate.check_trials
+
+    def checking(spec, study_dir):
+        monkeypatch.setenv(COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
+        return check(spec, study_dir)
+
+    monkeypatch.setattr(validate, "check_trials", checking)
     monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
     program = tmp_path / "env_program.py"
     program.write_text(ENV_PROGRAM)
@@ -280,16 +291,20 @@ def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatc
 NOW = datetime.datetime(2026, 11, 26, 12, 0, 0)
 
 
-def trial(started_s_ago: float, took_s: float | None = None, host: str = "here") -> FrozenTrial:
-    """A trial started ``started_s_ago`` seconds before NOW by a driver on ``host``."""
+def trial(started_s_ago: float, took_s: float | None = None, host: str = "here",
+          **record) -> FrozenTrial:
+    """A trial started ``started_s_ago`` seconds before NOW by a driver on ``host``; finished
+    ``took_s`` later, as its driver measured it unless ``record`` says otherwise (its user
+    attributes)."""
     start = NOW - datetime.timedelta(seconds=started_s_ago)
     done = took_s is not None
+    attrs = {"host": host, **({"duration_s": took_s} if done else {}), **record}
     return FrozenTrial(
         number=0, trial_id=0, state=TrialState.COMPLETE if done else TrialState.RUNNING,
         value=1.0 if done else None, datetime_start=start,
         datetime_complete=start + datetime.timedelta(seconds=took_s) if done else None,
-        params={}, distributions={}, user_attrs={"host": host}, system_attrs={},
-        intermediate_values={})
+        params={}, distributions={}, user_attrs={k: v for k, v in attrs.items() if v is not None},
+        system_attrs={}, intermediate_values={})
 
 
 def test_the_remaining_time_is_the_hand_computed_one():
@@ -314,6 +329,19 @@ def test_the_remaining_time_is_the_hand_computed_one():
                                                                 "3.3 h"]
 
 
+def test_a_finished_trials_time_is_read_off_one_clock():
+    """A trial started by a driver on one machine and finished by another's (the first died)
+    has its start and end stamps from two clocks, 3 h apart here: it used to count as 3 h. Its
+    time is its driver's monotonic measure, else what its runs measured themselves."""
+    two_clocks = trial(4 * 3600, 3 * 3600 + 20, duration_s=20)
+    adopted = trial(3 * 3600, 3 * 3600 + 30, duration_s=None, seeds=[0, 1],
+                    metrics_per_seed=[{"wall_clock_s": 10.0}, {"wall_clock_s": 20.0}])
+    unmeasured = trial(200, 5, duration_s=None)  # an older study's, without either
+    eta = estimate([two_clocks, adopted, unmeasured], [], left=2, workers=1, here="here",
+                   now=NOW)
+    assert (eta.trial_s, eta.measured, eta.seconds) == (25, 2, 50)
+
+
 def test_the_progress_line_and_status_say_when_the_sweep_ends(tmp_path, caplog):
     sweep = write_sweep(tmp_path / "s.yaml", seeds=[0, 1], overrides=["sleep_s=0.3"])
     spec = load_sweep(sweep)
@@ -327,7 +355,7 @@ def test_the_progress_line_and_status_say_when_the_sweep_ends(tmp_path, caplog):
     # a study continued with one more seed: 2 runs left, measured on the 4 finished ones
     grown = write_sweep(tmp_path / "s.yaml", seeds=[0, 1, 2], overrides=["sleep_s=0.3"])
     study = load(tmp_path)
-    took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in study.trials]
+    took = [t.user_attrs["duration_s"] for t in study.trials]  # as its driver measured it
     status = subprocess.run([sys.executable, "-m", "muoneq", "sweep", str(grown), "--runs-dir",
                              str(tmp_path / "runs"), "--status"], capture_output=True, text=True)
     assert status.returncode == 0, status.stderr

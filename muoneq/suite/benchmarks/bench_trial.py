@@ -213,6 +213,7 @@ def part_warm(folder: Path, quick: bool) -> dict:
     before = load()
     server = warm.Server(warm.RUNTIME_MODULE, env, folder / warm.SERVER_LOG)
     server.start()
+    server.keep_log()
     try:
         server.wait_ready(threading.Event())
         ready = time.monotonic() - server.started

@@ -19,7 +19,9 @@
   :meth:`~muoneq.suite.runtime.TaskDataModule.data_identity`, e.g. the language task's shard
   names and sizes); :func:`read_stamp` reads them back before a resume, so that a checkpoint of
   another run, one renamed to another step, or data changed since it was saved are refused
-  (:func:`muoneq.suite.runtime.run.train`) instead of resumed from.
+  (:func:`muoneq.suite.runtime.run.train`) instead of resumed from. A checkpoint without a stamp
+  (a run started by a version that stamped none) is checked for what it holds
+  (:func:`unstamped_mismatch`: its step, weights' shapes and optimizer's hyper-parameters).
 
 torch's own integrity data is not enough alone: ``torch.load`` does not check the CRC-32s, so a
 flipped byte in a tensor loads without a word; a SHA-256 is recorded here because no Lightning
@@ -32,6 +34,7 @@ import hashlib
 import os
 import re
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +167,11 @@ class RunStamp(L.Callback):
                                  "data": self.data}
 
 
-def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
-    """The global step a checkpoint holds and its :class:`RunStamp` (None for a checkpoint
-    written before stamps), read without loading its tensors (memory-mapped). Read as Lightning
-    reads it to resume right after (``weights_only=False``: a checkpoint whose checksums were
-    just verified, and may hold the hyper-parameters Lightning saves)."""
+def read_checkpoint(checkpoint: Path) -> dict:
+    """What a checkpoint holds, its tensors not loaded (memory-mapped; a distributed checkpoint,
+    a folder: its metadata). Read as Lightning reads it to resume right after
+    (``weights_only=False``: a checkpoint whose checksums were just verified, and may hold the
+    hyper-parameters Lightning saves)."""
     path = checkpoint / _FOLDER_METADATA if checkpoint.is_dir() else checkpoint
     try:
         saved = torch.load(path, map_location="cpu", mmap=not checkpoint.is_dir(),
@@ -180,9 +183,77 @@ def read_stamp(checkpoint: Path) -> tuple[int | None, dict | None]:
             f"{checkpoint} cannot be read ({type(err).__name__}): it is damaged or not a "
             "checkpoint of muoneq train; move it out of the checkpoints folder to resume from "
             "the previous one, or start the run again in another folder") from None
-    step = saved.get("global_step") if isinstance(saved, dict) else None
-    stamp = saved.get(STAMP_KEY) if isinstance(saved, dict) else None
-    return step, stamp if isinstance(stamp, dict) else None
+    return saved if isinstance(saved, dict) else {}
+
+
+def read_stamp(saved: dict) -> tuple[int | None, dict | None]:
+    """The global step a checkpoint holds and its :class:`RunStamp` (None for a checkpoint
+    written before stamps), from what :func:`read_checkpoint` read."""
+    stamp = saved.get(STAMP_KEY)
+    return saved.get("global_step"), stamp if isinstance(stamp, dict) else None
+
+
+def _plain(value: Any) -> Any:
+    """A saved hyper-parameter as comparable data: a tensor as its number(s), a tuple as a
+    list."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def unstamped_mismatch(saved: dict, module: torch.nn.Module, groups: Sequence[dict], *,
+                       max_steps: int, max_epochs: int, resumed: Sequence[str]) -> str | None:
+    """Why a checkpoint without a :class:`RunStamp` (``saved``: :func:`read_checkpoint`) cannot
+    be this run's, from what can be checked without one, or None when nothing says so: the step
+    and epoch it holds against the run's budget (``max_steps``, ``max_epochs``; -1: none) and
+    against the checkpoints its earlier sessions resumed from (``resumed``, their names: each
+    prunes the older ones once it saves, so a checkpoint before the last of them is not the
+    run's), its weights' names and shapes against ``module``'s, and its optimizer's param groups
+    (their sizes, and every hyper-parameter; the lr as the schedule's peak, ``initial_lr``)
+    against ``groups``, those of an optimizer built from this run's config (a key an older
+    version did not save is not compared). A distributed checkpoint (a folder) is checked by its
+    step and epoch only."""
+    step, epoch = saved.get("global_step"), saved.get("epoch")
+    if isinstance(step, int) and 0 < max_steps < step:
+        return f"it holds step {step}, past this run's trainer.max_steps={max_steps}"
+    if isinstance(epoch, int) and 0 < max_epochs < epoch:
+        return f"it holds epoch {epoch}, past this run's trainer.max_epochs={max_epochs}"
+    earlier = max((s for s in map(step_of, resumed) if s is not None), default=None)
+    if isinstance(step, int) and earlier is not None and step < earlier:
+        return (f"it holds step {step}, before step {earlier}, which this run already resumed "
+                "from (its config.yaml)")
+    weights = saved.get("state_dict")
+    if isinstance(weights, dict):
+        own = module.state_dict()
+        for name in [*own, *(k for k in weights if k not in own)]:  # the model's order
+            if name not in weights or name not in own:
+                has, lacks = ("this run's model", "it") if name in own else (
+                    "it", "this run's model")
+                return f"{has} holds the weight {name}, which {lacks} lacks"
+            if tuple(own[name].shape) != tuple(weights[name].shape):
+                return (f"its weight {name} has the shape {list(weights[name].shape)}, where "
+                        f"this run's model has {list(own[name].shape)}")
+    states = saved.get("optimizer_states")
+    kept = states[0].get("param_groups") if isinstance(states, list) and states and isinstance(
+        states[0], dict) else None
+    if not isinstance(kept, list):
+        return None
+    sizes = [len(g["params"]) for g in kept], [len(g["params"]) for g in groups]
+    if sizes[0] != sizes[1]:
+        return (f"its optimizer's param groups hold {sizes[0]} parameters, where this run's "
+                f"config gives {sizes[1]}")
+    for i, (theirs, mine) in enumerate(zip(kept, groups, strict=True)):
+        for key, value in mine.items():
+            saved_key = "initial_lr" if key == "lr" and "initial_lr" in theirs else key
+            if key == "params" or saved_key not in theirs:
+                continue
+            if _plain(theirs[saved_key]) != _plain(value):
+                return (f"its optimizer's param group {mine.get('name', i)!r} was saved with "
+                        f"{key}={_plain(theirs[saved_key])!r}, where this run's config gives "
+                        f"{_plain(value)!r}")
+    return None
 
 
 def data_changes(before: dict | None, now: dict | None) -> list[str]:

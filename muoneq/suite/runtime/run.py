@@ -44,7 +44,12 @@ import muoneq
 from muoneq.newton_schulz import dtype_name, resolve_dtype
 from muoneq.suite import code_version
 from muoneq.suite.errors import Diverged, Interrupted
-from muoneq.suite.files import atomic_write, full_disk_in_threads_said_once, reporting_full_disk
+from muoneq.suite.files import (
+    atomic_write,
+    full_disk_in_threads_said_once,
+    reporting_full_disk,
+    temporary_path,
+)
 from muoneq.suite.runtime import checkpoints, record, run_folder
 from muoneq.suite.runtime.callbacks import Interruption, LastValidation, StepStats, Stop, StopNow
 from muoneq.suite.runtime.checkpoints import (
@@ -56,6 +61,7 @@ from muoneq.suite.runtime.checkpoints import (
 from muoneq.suite.runtime.config import Resume
 from muoneq.suite.runtime.metrics import HPARAMS_ENV, METRICS_FILE, TENSORBOARD_DIR
 from muoneq.suite.runtime.module import ROUTING_FILE, compiles
+from muoneq.suite.runtime.optim import build_optimizer_from_config
 from muoneq.suite.runtime.record import CONFIG_FILE, RunFolderError
 from muoneq.suite.runtime.tasks import get_task
 from muoneq.suite.runtime.trainer import build_trainer, check_accelerator, lightning_config_error
@@ -208,12 +214,12 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
     module, datamodule = get_task(cfg.task.name).build(cfg)
     data = getattr(datamodule, "data_identity", lambda: None)()
     if start.checkpoint is not None:
-        _check_stamp(cfg, run_dir, start, data)
+        _check_stamp(cfg, run_dir, start, data, module)
     fingerprint = (start.previous["provenance"]["fingerprint"] if start.checkpoint is not None
                    else record.config_fingerprint(record.resolved(cfg)))
-    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data)]
-    if cfg.spectra.enabled:
-        callbacks = [*callbacks, OmegaConf.to_object(cfg.spectra).monitor()]
+    monitor = OmegaConf.to_object(cfg.spectra).monitor() if cfg.spectra.enabled else None
+    callbacks = [*callbacks, checkpoints.RunStamp(fingerprint, data),
+                 *([monitor] if monitor is not None else [])]
     trainer = build_trainer(
         cfg, run_dir, monitor=module.monitor, monitor_mode=module.monitor_mode,
         callbacks=callbacks,
@@ -222,7 +228,7 @@ def _train(cfg: DictConfig, run_dir: Path, callbacks, argv: list[str] | None,
         record.check_same_run(run_dir, start.previous, cfg, finished=False,
                               world_size=trainer.world_size)
     if trainer.is_global_zero:
-        _open_session(trainer, cfg, module, run_dir, start, argv)
+        _open_session(trainer, cfg, module, run_dir, start, argv, monitor)
 
     interruption = _callback(trainer, Interruption)
     try:
@@ -255,7 +261,7 @@ def _check_ours(run_dir: Path) -> dict | None:
     if previous is None and not (run_dir / METRICS_FILE).is_file():
         made = [what for what, there in (
             (f"{CHECKPOINT_DIR}/", bool(checkpoints.last_checkpoints(run_dir))),
-            (f"{TENSORBOARD_DIR}/", (run_dir / TENSORBOARD_DIR).is_dir()),
+            (f"{TENSORBOARD_DIR}/", run_folder.holds_tensorboard_files(run_dir)),
             (ROUTING_FILE, (run_dir / ROUTING_FILE).exists())) if there]
         if made:  # a run would write over them
             raise RunFolderError(
@@ -296,12 +302,17 @@ def _resume_or_refuse(cfg: DictConfig, run_dir: Path) -> _Start:
     return _Start(previous, checkpoint, damaged)
 
 
-def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None) -> None:
+def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | None,
+                 module) -> None:
     """Refuse to resume from a checkpoint that another run saved, that holds another step than
     its name says, or whose data changed since (unless ``run.accept_changed_data``): what its
-    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run."""
+    :class:`~muoneq.suite.runtime.checkpoints.RunStamp` says against this run; a checkpoint
+    without one, of a run started before checkpoints were stamped, by what it holds against
+    ``module`` (built from the config) and the config
+    (:func:`~muoneq.suite.runtime.checkpoints.unstamped_mismatch`)."""
     path = start.checkpoint
-    step, stamp = checkpoints.read_stamp(path)
+    saved = checkpoints.read_checkpoint(path)
+    step, stamp = checkpoints.read_stamp(saved)
     how = (f"move it out of {CHECKPOINT_DIR}/ to resume from the previous checkpoint, or start "
            "the run again in another folder (another run.dir or run.name)")
     named = checkpoints.step_of(path)
@@ -315,7 +326,18 @@ def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | Non
                 f"{path} carries no stamp of its run, and every checkpoint this run saves has "
                 f"one ({CONFIG_FILE} says {record.STAMPED}: true): another run saved it, or a "
                 f"version of muoneq that stamped none, and it was copied in; {how}")
-        return  # a run started before checkpoints were stamped
+        # a run started before checkpoints were stamped: what can be checked without one
+        groups = build_optimizer_from_config(module.model, module.optimizer_config).param_groups
+        resumed = [entry.get("from_checkpoint") or "" for entry in
+                   start.previous["provenance"].get("resumed") or []]
+        mismatch = checkpoints.unstamped_mismatch(
+            saved, module, groups, max_steps=cfg.trainer.max_steps,
+            max_epochs=cfg.trainer.max_epochs or -1, resumed=resumed)
+        if mismatch is not None:
+            raise checkpoints.CheckpointError(
+                f"{path} carries no stamp of its run (the run was started by a version of muoneq "
+                f"that stamped none), and {mismatch}: another run saved it; {how}")
+        return
     fingerprint = start.previous["provenance"]["fingerprint"]
     if stamp.get("fingerprint") != fingerprint:
         raise checkpoints.CheckpointError(
@@ -335,9 +357,11 @@ def _check_stamp(cfg: DictConfig, run_dir: Path, start: _Start, data: dict | Non
 
 
 def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, start: _Start,
-                  argv: list[str] | None) -> None:
-    """On rank 0: set the damaged checkpoints aside, record the session (a new run's
-    ``config.yaml``, or one more session of a resumed one) and declare the HParams view."""
+                  argv: list[str] | None, monitor=None) -> None:
+    """On rank 0: set the damaged checkpoints aside, list what the session writes in
+    ``tensorboard/`` (``monitor``: the spectral monitor, if any), record the session (a new
+    run's ``config.yaml``, or one more session of a resumed one) and declare the HParams
+    view."""
     auto = _auto_values(cfg, trainer)
     then = (f"the run resumes from {start.checkpoint.name}" if start.checkpoint is not None
             else "no intact checkpoint is left: the run starts over")
@@ -348,7 +372,11 @@ def _open_session(trainer: L.Trainer, cfg: DictConfig, module, run_dir: Path, st
     run_folder.remove_partial_writes(run_dir)  # of a killed session's last writes
     if start.checkpoint is None and start.previous is not None:
         run_folder.clear_attempt(run_dir)
-    Written(run_dir).record(TENSORBOARD_DIR, trainer.logger.events)  # before it writes any
+    # before any is written: this session's event files, Lightning's hparams.yaml, the spectra
+    tensorboard = [trainer.logger.events, trainer.logger.NAME_HPARAMS_FILE]
+    if monitor is not None:
+        tensorboard += [monitor.csv_name, temporary_path(monitor.csv_name).name]
+    Written(run_dir).record(TENSORBOARD_DIR, *tensorboard)
     if start.checkpoint is None:
         record.write_new(run_dir, cfg, argv, trainer.world_size, auto)
     else:

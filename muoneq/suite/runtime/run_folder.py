@@ -135,6 +135,19 @@ def _linked_folders(run_dir: Path) -> list[Path]:
     return list(found.values())
 
 
+def holds_tensorboard_files(run_dir: Path) -> bool:
+    """Whether the run folder's ``tensorboard/`` holds what a run writes there: a folder of its
+    own does when it exists; one it links to (a scratch disk, a shared folder of logs) when it
+    holds files named as a run names its files there (:data:`TENSORBOARD_FILES`), as a
+    ``checkpoints/`` link does when it holds checkpoints."""
+    folder = Path(run_dir) / TENSORBOARD_DIR
+    if not folder.is_dir():
+        return False
+    if not folder.is_symlink():
+        return True
+    return any(TENSORBOARD_FILES.fullmatch(p.name) for p in folder.iterdir())
+
+
 @contextlib.contextmanager
 def hold(run_dir: Path, argv: list[str] | None) -> Iterator[None]:
     """Be the one writer of ``run_dir``, and of the folders its links lead to, while the block

@@ -9,7 +9,9 @@ listed with no file (nothing to remove), never a file of the run unlisted. A che
 with its ``.sha256`` and the temporary files of both (:func:`muoneq.suite.files.temporary_path`).
 TensorBoard's writer names its event files itself (time, host, process), so they are listed by a
 pattern, ``tensorboard/events.out.tfevents.*.<session>``: each session gives its event files a
-suffix of its own (:class:`muoneq.suite.runtime.trainer.GlobalStepLogger`).
+suffix of its own (:class:`muoneq.suite.runtime.trainer.GlobalStepLogger`). Lightning's
+``tensorboard/hparams.yaml`` and the spectral monitor's ``tensorboard/spectra.csv`` (with its
+temporary file) are listed too.
 
 Cleaning (:mod:`muoneq.suite.runtime.run_folder`) removes what the list names and nothing else.
 """

@@ -53,7 +53,7 @@ from muoneq.suite.errors import DiskFull, UserError
 from muoneq.suite.files import FULL_DISK, NO_ACCESS, full_disk, no_access
 from muoneq.suite.sweeps import hparams
 from muoneq.suite.sweeps.eta import study_estimate
-from muoneq.suite.sweeps.launch import KILL_GRACE_S, cores, thread_defaults
+from muoneq.suite.sweeps.launch import KILL_GRACE_S, Launcher, cores, thread_defaults
 from muoneq.suite.sweeps.ledger import DriverId, Ledger, Summary
 from muoneq.suite.sweeps.runner import Runner
 from muoneq.suite.sweeps.scheduler import Scheduler, Wait
@@ -111,17 +111,26 @@ class Driver:
         self.me = DriverId.new(self.study_dir)
         self.stop = threading.Event()
         self.slots = device_slots(spec.launch, self.opts.workers, self.opts.devices)
-        preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
-        self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
-        check = point_check(spec, self.study_dir) if spec.bracket is not None else None
-        self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
-        hparams.write_experiment(spec, self.study_dir)
-        self.view = StudyView(spec, self.study_dir)  # runs by short names, for TensorBoard
-        self.view.update(self.ledger.trials())
-        self.scheduler = Scheduler(self.ledger, self.study_dir)
         self.threads = thread_defaults(spec, self.opts.workers)
+        # trials forked warm: the server imports the runtime while the study is checked and
+        # opened (seconds each); run() closes it
+        self.launcher = Launcher(spec, self.study_dir, self.stop, self.threads)
+        try:
+            self.launcher.open()
+            preflight(spec, self.opts.storage, self.study_dir)  # creates nothing
+            self.study, storage = open_study(spec, self.opts.storage, self.study_dir)
+            self.launcher.keep_log()  # the study folder exists now
+            check = point_check(spec, self.study_dir) if spec.bracket is not None else None
+            self.ledger = Ledger(self.study, storage, spec, self.me, self.study_dir, check)
+            hparams.write_experiment(spec, self.study_dir)
+            self.view = StudyView(spec, self.study_dir)  # runs by short names, for TensorBoard
+            self.view.update(self.ledger.trials())
+            self.scheduler = Scheduler(self.ledger, self.study_dir)
+        except BaseException:  # a mistake, or Ctrl-C: no server outlives the driver
+            self.launcher.close()
+            raise
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
-                             self.threads)
+                             self.launcher, self.threads)
         self._lock = threading.Lock()
         #: what stopped every worker: a full disk, or a file or folder out of reach
         self.failure: UserError | None = None
@@ -169,27 +178,28 @@ class Driver:
         running trial gets SIGTERM and is waited for while it saves its checkpoint (killed
         after :data:`~muoneq.suite.sweeps.launch.KILL_GRACE_S`); return the final counts."""
         lock_path = self.me.lock_path()
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        for name, value in self.threads.items():
-            log.info("each trial runs with %s=%s (%d cores / %d workers; launch.env sets "
-                     "another)", name, value, cores(), self.opts.workers)
-        threads = [threading.Thread(target=self._worker, args=(i,), name=f"sweep-worker-{i}")
-                   for i in range(self.opts.workers)]
-        previous = self._catch_signals()
+        lock_fd, previous = None, {}
         try:
-            self.runner.launcher.open()
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            for name, value in self.threads.items():
+                log.info("each trial runs with %s=%s (%d cores / %d workers; launch.env sets "
+                         "another)", name, value, cores(), self.opts.workers)
+            threads = [threading.Thread(target=self._worker, args=(i,), name=f"sweep-worker-{i}")
+                       for i in range(self.opts.workers)]
+            previous = self._catch_signals()
             for th in threads:
                 th.start()
             for th in threads:
                 th.join()
         finally:
-            self.runner.launcher.close()
+            self.launcher.close()  # the warm server, started with the driver, ends with it
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            os.close(lock_fd)
-            lock_path.unlink(missing_ok=True)
+            if lock_fd is not None:
+                os.close(lock_fd)
+                lock_path.unlink(missing_ok=True)
         if self.failure is not None:
             raise self.failure
         result = self.summary()

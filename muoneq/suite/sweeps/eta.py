@@ -1,13 +1,18 @@
 """When a sweep will end: the expected remaining wall time, from the trials finished so far.
 
-Once some trials have finished, with ``t`` the mean wall time of those trials (start to end, as
-the study recorded them), ``p`` the trials at work at once (the driver's workers, or the trials
-running now if more) and ``w`` the trials left to finish of which ``r`` are running, each for
-``e_i`` seconds so far::
+Once some trials have finished, with ``t`` the mean wall time of those trials, ``p`` the trials
+at work at once (the driver's workers, or the trials running now if more) and ``w`` the trials
+left to finish of which ``r`` are running, each for ``e_i`` seconds so far::
 
     remaining = ((w − r) · t + Σ_i max(t − e_i, 0)) / p
 
-A running trial's ``e_i`` is known only on the machine that started it: its start is a time on
+No time is ever read off two clocks. A finished trial's wall time is the one its driver measured
+on its own monotonic clock from the start of its processes to their end
+(:attr:`~muoneq.suite.sweeps.trial_record.TrialRecord.duration_s`), not its start and end stamps
+in the study, which the driver that started it and another that finished it (after the first
+died) write from two machines' clocks; a trial its driver did not run (adopted, or recorded by an
+earlier version) counts the ``wall_clock_s`` its runs measured themselves (``metrics.json``). A
+running trial's ``e_i`` is known only on the machine that started it: its start is a time on
 that machine's clock (and in its time zone), never compared with this one's. A trial running on
 another machine counts as half done (``t − e_i = t / 2``).
 
@@ -49,14 +54,25 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def wall_time(trial: FrozenTrial) -> float | None:
+    """A finished trial's wall time measured on one clock (module docstring), or None."""
+    record = TrialRecord.of(trial)
+    if record.duration_s is not None:
+        return record.duration_s
+    per_seed = record.metrics_per_seed or ([record.metrics] if record.metrics else [])
+    runs = [metrics.get("wall_clock_s") for metrics in per_seed]
+    if runs and all(isinstance(s, int | float) and not isinstance(s, bool) for s in runs):
+        return float(sum(runs))
+    return None
+
+
 def estimate(finished: Iterable[FrozenTrial], running: Iterable[FrozenTrial], left: int,
              workers: int, here: str, now: datetime.datetime | None = None) -> Estimate | None:
     """The remaining wall time of a study with ``left`` trials to finish (``running`` among
     them) at ``workers`` at a time, from its ``finished`` trials, on the machine ``here`` (its
     host name; see the module docstring); None before any trial has finished, or when none is
     left."""
-    took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in finished
-            if t.datetime_start is not None and t.datetime_complete is not None]
+    took = [s for s in map(wall_time, finished) if s is not None]
     if not took or left <= 0:
         return None
     mean = statistics.fmean(took)

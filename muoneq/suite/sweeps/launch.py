@@ -70,6 +70,9 @@ class Outcome:
     metrics: dict | None = None
     returncode: int | None = None
     message: str = ""
+    #: seconds from its start to its end on this driver's monotonic clock (None: it did not run
+    #: here, e.g. adopted)
+    seconds: float | None = None
 
 
 def build_command(
@@ -104,10 +107,11 @@ def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
 
 def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
               env_defaults: Mapping[str, str] = MappingProxyType({}),
-              study_dir: Path | None = None) -> dict[str, str]:
+              study_dir: Path | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial on ``devices`` (see :func:`trial_command`)."""
     # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
-    env = {**env_defaults, **os.environ, HPARAMS_ENV: "0",
+    env = {**env_defaults, **(os.environ if environ is None else environ), HPARAMS_ENV: "0",
            **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = ",".join(devices)
@@ -119,20 +123,20 @@ def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
 def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, trial: int = 0,
                   devices: Sequence[str] = (), worker: int = 0,
                   env_defaults: Mapping[str, str] = MappingProxyType({}),
-                  study_dir: Path | None = None):
-    """The argv, environment and fingerprint of one run (the launch template filled in;
-    ``env_defaults`` under the environment and ``launch.env``: :func:`thread_defaults`). With
-    ``study_dir``, the environment points ``torch.compile``'s cache at its ``compile_cache/``
-    (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the environment or ``launch.env``,
-    wins): a compiled trial stores its kernels there and the next ones load them instead of
-    compiling again."""
+                  study_dir: Path | None = None, environ: Mapping[str, str] | None = None):
+    """The argv, environment and fingerprint of one run (the launch template filled in). The
+    environment: ``env_defaults`` (:func:`thread_defaults`) under ``environ`` (None: this
+    process's) under ``launch.env``. With ``study_dir``, it points ``torch.compile``'s cache at
+    the study's ``compile_cache/`` (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the
+    environment or ``launch.env``, wins): a compiled trial stores its kernels there and the
+    next ones load them instead of compiling again."""
     overrides = list(spec.overrides) + point.overrides()
     fields = {**spec.launch.vars, "python": sys.executable,
               "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
               "seed": seed, "run_dir": str(run_dir), "study": spec.study, "trial": trial,
               "nproc": spec.launch.nproc, "devices": ",".join(devices), "worker": worker}
     argv = build_command(spec.launch.command, fields, overrides)
-    env = trial_env(spec, devices, env_defaults, study_dir)
+    env = trial_env(spec, devices, env_defaults, study_dir, environ)
     fingerprint = {"experiment": fields["experiment"], "overrides": overrides, "seed": seed}
     return argv, env, fingerprint
 
@@ -296,6 +300,7 @@ def run_process(
         with (run_dir / LOG_NAME).open("ab") as log:
             log.write(f"\n=== {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
             log.flush()
+            began = time.monotonic()
             try:
                 proc = start(argv, env, log, fd)
             except Interrupted as err:
@@ -308,14 +313,14 @@ def run_process(
             except BaseException:  # never leave a process running that no record names
                 _stop(proc)
                 raise
-            start_time, reason = time.monotonic(), None
+            reason = None
             while True:
                 try:
                     proc.wait(timeout=tick_s)
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                if timeout_s is not None and time.monotonic() - start_time > timeout_s:
+                if timeout_s is not None and time.monotonic() - began > timeout_s:
                     reason = "timeout"
                 else:
                     reason = on_tick()
@@ -324,16 +329,17 @@ def run_process(
                     break
     finally:
         os.close(fd)
+    seconds = time.monotonic() - began
     metrics = read_metrics(run_dir)
     tail = log_tail(run_dir)
     if reason:
         return Outcome(reason, metrics, proc.returncode, stopped_message(
-            reason, f"the process {exit_words(proc)}", tail))
+            reason, f"the process {exit_words(proc)}", tail), seconds)
     if metrics is not None:  # metrics.json is the trial's last act: it marks success
-        return Outcome("complete", metrics, proc.returncode)
+        return Outcome("complete", metrics, proc.returncode, seconds=seconds)
     why = f"exited 0 without writing {METRICS_FILE}" if proc.returncode == 0 else (
         exit_words(proc))
-    return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip())
+    return Outcome("failed", None, proc.returncode, f"{why}\n{tail}".strip(), seconds)
 
 
 def wait_for_release(
@@ -457,11 +463,16 @@ class Launcher:
                  env_defaults: Mapping[str, str]) -> None:
         self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
         self.env_defaults = dict(env_defaults)
+        #: the environment the trials start from: the driver's when it started, before its
+        #: imports changed it (``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to its
+        #: default, which would stand for the user's over the study's compile cache)
+        self.environ = dict(os.environ)
         self.module, self.why = warm_module(spec)
         self.server: warm.Server | None = None
         #: servers replaced after the checkout changed, closed once their trials ended
         self.retired: list[warm.Server] = []
         self.failed = 0  #: servers that ended on their own
+        self._keep_log = False  #: servers' output goes to the study's log (:meth:`keep_log`)
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -469,11 +480,21 @@ class Launcher:
         return describe_start(self.module, self.why)
 
     def open(self) -> None:
-        """Start the server (its imports run while the driver plans), when trials run warm."""
-        log.info("%s", self.describe())
+        """Start the server, when trials run warm: its imports run while the driver checks and
+        opens the study; its output is held until :meth:`keep_log`."""
         if self.module is not None:
             with self._lock:
                 self._new_server()
+
+    def keep_log(self) -> None:
+        """Say how trials start, and write the servers' output to the study's
+        :data:`~muoneq.suite.sweeps.warm.SERVER_LOG` from now on (once the study folder exists:
+        a sweep whose preflight fails creates nothing, and says only why)."""
+        log.info("%s", self.describe())
+        with self._lock:
+            self._keep_log = True
+            if self.server is not None:
+                self.server.keep_log()
 
     def close(self) -> None:
         with self._lock:
@@ -483,10 +504,12 @@ class Launcher:
             self.server, self.retired = None, []
 
     def _new_server(self) -> warm.Server:
-        env = trial_env(self.spec, (), self.env_defaults, self.study_dir)
+        env = trial_env(self.spec, (), self.env_defaults, self.study_dir, self.environ)
         env.pop(self.spec.launch.device_env, None)  # each trial's own, read after the fork
         self.server = warm.Server(self.module, env, self.study_dir / warm.SERVER_LOG)
         self.server.start()
+        if self._keep_log:
+            self.server.keep_log()
         return self.server
 
     def _ready(self) -> warm.Server | None:

@@ -52,6 +52,9 @@ class TrialRecord:
     message: str | None = None  #: why it ended so (the process' last lines)
     metrics: dict[str, Any] | None = None  #: ``metrics.json`` (the mean over seeds)
     metrics_per_seed: list[dict[str, Any]] | None = None  #: a trial of several seeds
+    #: seconds its processes ran, on the monotonic clock of the driver that started them (one
+    #: machine's clock); None for runs it did not start (adopted, or told from a metrics.json)
+    duration_s: float | None = None
 
     @classmethod
     def of(cls, trial: BaseTrial) -> TrialRecord:

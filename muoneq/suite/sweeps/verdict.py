@@ -42,7 +42,8 @@ def judge(outcomes: Sequence[Outcome], seeds: Sequence[int], metric: str) -> Ver
     did not complete) ended in ``outcomes``."""
     last = outcomes[-1] if outcomes else Outcome("failed", message="nothing ran")
     per_seed = [o.metrics for o in outcomes if o.metrics is not None]
-    record = TrialRecord()
+    ran = [o.seconds for o in outcomes if o.seconds is not None]
+    record = TrialRecord(duration_s=sum(ran) if ran else None)
     if per_seed:
         record.metrics = per_seed[0] if len(seeds) == 1 else mean_metrics(per_seed)
         if len(seeds) > 1:

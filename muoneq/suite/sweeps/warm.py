@@ -88,9 +88,10 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
 from muoneq.suite import code_version
 
@@ -122,7 +123,7 @@ THREADS_PROBE = ("import json, numpy, threadpoolctl, torch; "
                  "if i['user_api'] == 'blas']; "
                  "print(json.dumps([torch.get_num_threads(), max(blas, default=None)]))")
 #: the server's program (``-c``: ``-m`` would run a second copy of this module)
-SERVER_MAIN = "import sys; from muoneq.suite.sweeps.warm import main; sys.exit(main(sys.argv[1:]))"
+SERVER_MAIN = "import sys; from muoneq.suite.sweeps.warm import main; main(sys.argv[1:])"
 
 
 class Unavailable(RuntimeError):
@@ -439,7 +440,9 @@ BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedR
 def _flush_files() -> None:
     """Flush every open buffered file, text wrappers before the buffers under them, as the
     interpreter does when it frees them at its end: a module may hold a file it never closed."""
-    files = [f for f in gc.get_objects() if isinstance(f, BUFFERED)]
+    with warnings.catch_warnings():  # isinstance reads __class__, which some objects warn on
+        warnings.simplefilter("ignore")  # (torch.distributed.reduce_op: a FutureWarning)
+        files = [f for f in gc.get_objects() if isinstance(f, BUFFERED)]
     for file in sorted(files, key=lambda f: not isinstance(f, io.TextIOWrapper)):
         with contextlib.suppress(Exception):
             if not file.closed:
@@ -545,6 +548,11 @@ class Server:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._process: subprocess.Popen | None = None
+        #: its output: held until :meth:`keep_log` opens its log, then appended there
+        self._held = bytearray()
+        self._log: IO[bytes] | None = None
+        self._copier: threading.Thread | None = None
+        self._output_lock = threading.Lock()
 
     @property
     def imported(self) -> str:
@@ -556,26 +564,64 @@ class Server:
             return len(self._trials)
 
     def start(self) -> None:
-        """Start the server (its imports go on in the background: :meth:`wait_ready`)."""
+        """Start the server (its imports go on in the background: :meth:`wait_ready`). Its
+        output (import warnings, why it stopped) is held until :meth:`keep_log`: a driver
+        starts it before it checks the study, and a study that fails the check leaves no
+        file."""
         self.started = time.monotonic()
+        self._held += f"=== {time.strftime('%F %T')} warm server for {self.cwd}\n".encode()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as out, theirs:
-            out.write(f"=== {time.strftime('%F %T')} warm server for {self.cwd}\n".encode())
-            out.flush()
+        with theirs:
             # a session of its own: the terminal's Ctrl-C reaches the driver, which stops the
             # trials; the server ends when the driver closes its end of the socket
             self._process = subprocess.Popen(
                 [sys.executable, "-c", SERVER_MAIN, str(theirs.fileno())],
-                env={**self.env, THREADS_ENV: "1"},
-                cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, pass_fds=(theirs.fileno(),))
+                env={**self.env, THREADS_ENV: "1"}, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=(theirs.fileno(),))
         self.pid = self._process.pid
         self._sock = ours
+        self._copier = threading.Thread(target=self._copy_output, name="warm-server-output",
+                                        daemon=True)
+        self._copier.start()
         with contextlib.suppress(OSError):  # it ended at once: its reader finds out why
             _send(ours, {"preload": self.preload})
         threading.Thread(target=self._read, name="warm-server-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="warm-server-watch", daemon=True).start()
+
+    def keep_log(self) -> None:
+        """Append the server's output, so far and from now on, to its log file (made now)."""
+        with self._output_lock:
+            if self._log is None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self._log = self.log_path.open("ab")
+                self._write(bytes(self._held))
+                self._held.clear()
+
+    def _copy_output(self) -> None:
+        """Hold or append the server's output until it ends (its pipe's end)."""
+        pipe = self._process.stdout
+        while chunk := pipe.read1(1 << 16):
+            with self._output_lock:
+                if self._log is None:
+                    self._held += chunk
+                else:
+                    self._write(chunk)
+        pipe.close()
+
+    def _write(self, data: bytes) -> None:
+        """Append ``data`` to the log (under the output lock). On a full disk the rest of the
+        output is dropped, said once: the pipe is still read to its end, as a server whose pipe
+        is full would stop."""
+        try:
+            self._log.write(data)
+            self._log.flush()
+        except OSError as err:
+            log.warning("the rest of the warm server's output is dropped: %s: %s",
+                        self.log_path, err)
+            with contextlib.suppress(OSError):
+                self._log.close()
+            self._log = open(os.devnull, "wb")  # closed by close()
 
     def wait_ready(self, stop: threading.Event, timeout: float = READY_TIMEOUT_S) -> None:
         """Wait until the server has imported; :class:`Unavailable` when it cannot serve (it
@@ -741,15 +787,26 @@ class Server:
         if process is not None:
             try:
                 process.wait(timeout=10 if self.ready.is_set() and not _stopped(process.pid)
-                             else 0.5)
+                             else 0)
             except subprocess.TimeoutExpired:
-                process.kill()
+                # its group: while it imports, its probe too (the threads a new process
+                # chooses), which holds its output open; each trial leads a group of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._copier is not None:
+            self._copier.join(timeout=5)  # the rest of its output, to its pipe's end
+        with self._output_lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
 
 
-def main(argv: list[str]) -> int:
-    """The server (:data:`SERVER_MAIN`): serve on the socket whose descriptor is ``argv[0]``."""
-    return serve(socket.socket(fileno=int(argv[0])))
+def main(argv: list[str]) -> NoReturn:
+    """The server (:data:`SERVER_MAIN`): serve on the socket whose descriptor is ``argv[0]``,
+    then end as a trial ends (:func:`_finish`: without freeing every module it imported one by
+    one, a second or more the driver would wait for at its end)."""
+    _finish(serve(socket.socket(fileno=int(argv[0]))))
