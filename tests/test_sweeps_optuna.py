@@ -135,8 +135,9 @@ def test_report_adds_optuna_views_also_for_a_study_without_params(tmp_path):
         assert f"![{name}]({name}.png)" in report.markdown
     events = EventAccumulator(str(report.out_dir / "tensorboard"))
     events.Reload()
-    assert {"optuna/contour", "optuna/slice", "optuna/importances"} <= set(
-        events.Tags()["images"])
+    # a figure of several panels is one image per panel (legible on TensorBoard's card)
+    assert {"optuna/contour", "optuna/slice/lr", "optuna/slice/momentum",
+            "optuna/importances"} <= set(events.Tags()["images"])
     assert "| optimizer | top points | lr | momentum |" in report.markdown
     assert "| all runs | 5 of 10 | " in report.markdown  # one optimizer: all points one family
 
