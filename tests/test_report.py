@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import os
 
 import numpy as np
@@ -499,3 +500,40 @@ def test_a_search_s_table_rounds_its_values_sorts_by_the_objective_and_counts_pr
                   state=TrialState.PRUNED, outcome="pruned")
     report = write_report(load_study_data(path, runs_dir=tmp_path / "runs"), tensorboard=False)
     assert "2 trials were pruned (stopped early by Optuna's pruner" in report.markdown
+
+
+def test_a_bracketed_heatmap_of_eight_columns_stays_legible_on_tensorboard(tmp_path):
+    """The paper's 4 learning rates grow to 8 when bracketing extends both edges twice: each
+    panel still goes to TensorBoard narrow enough for 10-point text to show 10 pixels tall,
+    and no two cells' numbers overlap."""
+    from muoneq.suite.report.figures import card_text_px
+
+    class Images:  # the part of SummaryWriter that _save calls
+        def __init__(self):
+            self.logged = {}
+
+        def add_image(self, tag, image, dataformats):
+            assert dataformats == "HWC"
+            self.logged[tag] = image
+
+    lrs = [1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2]
+    rows = [(opt(name, lr, mode, **{"optimizer.momentum": m}),
+             [27.5 + i * 0.37 + j * 1.13 + (name == "muon_nes")])
+            for name, mode in (("muon_nes", None), ("muoneq_nes", "R"))
+            for i, lr in enumerate(lrs) for j, m in enumerate((0.85, 0.9, 0.95, 0.98))]
+    writer = Images()
+    panels = heatmaps(runs_of(rows, "val_ppl"), HeatmapSpec(),
+                      [*AXES, "optimizer.momentum"], "val_ppl", "minimize", tmp_path, writer)
+    assert len(panels) == 2 and all(p.grid.shape == (4, 8) for p in panels)
+    for tag in ("heatmaps/Muon-Nes", "heatmaps/MuonEq-Nes (R)"):
+        assert card_text_px(10, writer.logged[tag].shape[1]) >= 10, writer.logged[tag].shape
+    for p in panels:
+        boxes = [t.get_window_extent() for t in p.ax.texts]
+        assert len(boxes) == 32
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        ticks = p.ax.get_xticklabels()
+        assert [t.get_text() for t in ticks] == [
+            "1.25e-4", "2.5e-4", "5e-4", "1e-3", "2e-3", "5e-3", "0.01", "0.02"]
+        boxes = [t.get_window_extent() for t in ticks]  # level labels side by side, or slanted
+        assert all(t.get_rotation() == 30 for t in ticks) or not any(
+            a.overlaps(b) for a, b in itertools.pairwise(boxes))

@@ -43,6 +43,17 @@ def _tick(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _cell_ticks(values: Sequence) -> list[str]:
+    """Tick labels of a heatmap's cells: as :func:`_tick`, but where one is longer than a
+    narrow cell holds (``0.000125`` beside ``0.00025``), each float in the shorter of that and
+    its scientific form (``1.25e-4``, ``2.5e-4``, ``1e-3``, ``0.01``)."""
+    ticks = [_tick(v) for v in values]
+    if max(map(len, ticks), default=0) <= 6:
+        return ticks
+    return [min(t, np.format_float_scientific(v, trim="-", exp_digits=1), key=len)
+            if isinstance(v, float) else t for t, v in zip(ticks, values, strict=True)]
+
+
 def _sorted_values(values) -> list:
     values = list(dict.fromkeys(values))
     try:
@@ -265,8 +276,11 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
                                   *zip(g[:-1, :].flat, g[1:, :].flat, strict=True))])
     where = panel_layout(list(panels), panel_axes)
     rows, cols = (max(v[i] for v in where.values()) + 1 for i in (0, 1))
-    # a panel within 5 inches up to 6 columns: TensorBoard shows it alone (TENSORBOARD_CARD_PX)
-    fig = Figure(figsize=(cols * (0.6 * len(xs) + 1.2) + 1.2, rows * (0.45 * len(ys) + 1.2) + 0.8),
+    # a panel within 5 inches (TensorBoard shows it alone: TENSORBOARD_CARD_PX): cells 0.6 inch
+    # wide up to 5 columns, narrower beyond (a bracketed grid reaches 8), still holding "27.80"
+    cell = min(0.6, 3.5 / len(xs))
+    xticks = _cell_ticks(xs)
+    fig = Figure(figsize=(cols * (cell * len(xs) + 1.2) + 1.2, rows * (0.45 * len(ys) + 1.2) + 0.8),
                  layout="constrained")
     grid_axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
     for ax in grid_axes.flat:
@@ -281,8 +295,11 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
         # colour bar and the title say which way is better, the best cell is framed
         image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=vmin, vmax=vmax,
                           origin="lower", aspect="auto")
-        ax.set_xticks(range(len(xs)), [_tick(v) for v in xs])
-        ax.set_yticks(range(len(ys)), [_tick(v) for v in ys])
+        # 10-point digits are about 6 points wide: labels longer than a cell holds are slanted
+        slant = {"rotation": 30, "ha": "right"} if 6 * len(max(xticks, key=len)) > 65 * cell \
+            else {}
+        ax.set_xticks(range(len(xs)), xticks, **slant)
+        ax.set_yticks(range(len(ys)), _cell_ticks(ys))
         ax.tick_params(labelbottom=True, labelleft=True)
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(axis_name(spec.y))
