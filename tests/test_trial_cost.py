@@ -287,6 +287,33 @@ def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatc
         assert metrics["cache"] == str(driver.study_dir.resolve() / "compile_cache")
 
 
+def test_muoneq_sweep_gives_its_trials_the_study_compile_cache_after_preparing_data(
+        tmp_path, monkeypatch):
+    """``muoneq sweep --mini`` prepares its data before it starts the driver, which imports
+    torch._dynamo (it sets the variable to torch's default): the trials still get the study's
+    cache, the environment being the command's as it started."""
+    from muoneq.suite.sweeps import cli
+
+    load = cli.load_sweep
+
+    def loading(*args, **kwargs):  # as preparing a miniature's data does after it
+        spec = load(*args, **kwargs)
+        monkeypatch.setenv(COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
+        return spec
+
+    monkeypatch.setattr(cli, "load_sweep", loading)
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    program = tmp_path / "env_program.py"
+    program.write_text(ENV_PROGRAM)
+    path = write_sweep(tmp_path / "s.yaml", seeds=[0], launch={
+        "command": f"{{python}} {program} {{overrides}} seed={{seed}} run.dir={{run_dir}}"})
+    assert cli.main([str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    study_dir = tmp_path / "runs" / "tiny"
+    for point in load(path).points():
+        metrics = json.loads((point.run_dir(study_dir, 0) / "metrics.json").read_text())
+        assert metrics["cache"] == str(study_dir.resolve() / "compile_cache")
+
+
 # ----------------------------------------------------------------------------- when it ends
 NOW = datetime.datetime(2026, 11, 26, 12, 0, 0)
 

@@ -460,13 +460,12 @@ class Launcher:
     one's trials run on), and a trial is spawned when the code changed again meanwhile."""
 
     def __init__(self, spec: SweepSpec, study_dir: Path, stop: threading.Event,
-                 env_defaults: Mapping[str, str]) -> None:
+                 env_defaults: Mapping[str, str], environ: Mapping[str, str]) -> None:
         self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
         self.env_defaults = dict(env_defaults)
-        #: the environment the trials start from: the driver's when it started, before its
-        #: imports changed it (``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to its
-        #: default, which would stand for the user's over the study's compile cache)
-        self.environ = dict(os.environ)
+        #: the environment the trials start from (``DriverOptions.environ``), copied before the
+        #: driver's own imports change it
+        self.environ = dict(environ)
         self.module, self.why = warm_module(spec)
         self.server: warm.Server | None = None
         #: servers replaced after the checkout changed, closed once their trials ended
