@@ -278,8 +278,7 @@ def test_figures_keep_titles_inside_and_legends_off_the_data():
         figures.study_bound([("a", {m: [1.0, 0.5] for m in modes},
                               {m: [0.9, 0.4] for m in modes})], modes),
         figures.training_curves({m: [[1.0, 0.5, 0.2]] * 3 for m in modes},
-                                "step 1234 (50% of training), 48 modules; band: 25–75% of "
-                                "modules"),
+                                "step 12345 (100% of training), 148 matrices"),
     ]
     for fig in made:
         canvas = FigureCanvasAgg(fig)
@@ -289,6 +288,8 @@ def test_figures_keep_titles_inside_and_legends_off_the_data():
         title = fig._suptitle.get_window_extent(renderer)
         assert box.x0 <= title.x0 and title.x1 <= box.x1 and title.y1 <= box.y1, title
         assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+        legend = fig.legends[0].get_window_extent(renderer)  # not cut at the edges
+        assert box.x0 <= legend.x0 and legend.x1 <= box.x1 and box.y0 <= legend.y0, legend
     stable_rank_axis = made[1].axes[2 * len(sizes)]  # third row: stable rank
     assert stable_rank_axis.get_ylabel() == "stable rank sr(S(M))"
     assert stable_rank_axis.get_yscale() == "linear"

@@ -139,6 +139,10 @@ def test_monitor_keeps_the_trajectory_and_measures_the_optimizers_own_input(tmp_
     assert "spectra/hidden/RC/condition_number" in tags["scalars"]
     assert [e.step for e in events.Scalars("spectra/conv2/R/ns_rel_error")] == [1, 2, 10, 20]
     assert "spectra/ns_error_curves" in tags["images"]
+    # TensorBoard's Images tab shows it 350 pixels wide: 10-point text drawn at matplotlib's
+    # 100 dpi is then at least 10 pixels tall (a 5.6-inch figure showed it 8.7)
+    (image,) = events.Images("spectra/ns_error_curves")[-1:]
+    assert 10 / 72 * 100 * 350 / image.width >= 10, image.width
 
 
 def test_fires_on_optimizer_steps_under_gradient_accumulation(tmp_path):

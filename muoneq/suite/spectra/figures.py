@@ -48,9 +48,10 @@ def _bars(ax, groups, modes, values, *, log: bool, ylabel: str) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def _legend_below(fig, handles) -> None:
-    """One legend for the whole figure, below the panels (it never covers data)."""
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4),
+def _legend_below(fig, handles, columns: int = 4) -> None:
+    """One legend for the whole figure, below the panels (it never covers data), in up to
+    ``columns`` columns."""
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), columns),
                fontsize=8, frameon=False)
 
 
@@ -157,8 +158,9 @@ def _quartiles(xs) -> tuple[float, float]:
 def training_curves(curves: dict[str, list[list[float]]], subtitle: str):
     """The paper's Figure 2 at one training step: module-wise median with the 25–75%
     band (top) and the mean (bottom) of the relative NS error over steps, one colour per
-    normalization. ``subtitle`` (the step, the modules) is the title's second line."""
-    fig, axes = new_figure(2, 1, width=5.6, height=2.9)
+    normalization. ``subtitle`` (the step, the matrices) is the title's second line."""
+    # 4.6 inches: TensorBoard shows the image 350 pixels wide, 10-point text 10.6 pixels tall
+    fig, axes = new_figure(2, 1, width=4.6, height=2.9)
     for mode, per_module in curves.items():
         style = MODE_STYLE[mode]
         steps = range(len(per_module[0]))
@@ -168,13 +170,13 @@ def training_curves(curves: dict[str, list[list[float]]], subtitle: str):
         axes[0, 0].plot(steps, median, color=style["color"], label=style["label"])
         axes[0, 0].fill_between(steps, low, high, color=style["color"], alpha=0.15)
         axes[1, 0].plot(steps, [statistics.fmean(c) for c in columns], color=style["color"])
-    axes[0, 0].set_ylabel("median rel. error")
+    axes[0, 0].set_ylabel("median rel. error\n(band: 25–75%)")
     axes[1, 0].set_ylabel("mean rel. error")
     axes[1, 0].set_xlabel("Newton–Schulz step k")
     for ax in axes[:, 0]:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    _legend_below(fig, _mode_handles(list(curves)))
+    _legend_below(fig, _mode_handles(list(curves)), columns=2)
     fig.suptitle(f"NS error of the pre-NS momentum (as the paper's Figure 2)\n{subtitle}",
                  fontsize=10)
     return fig

@@ -312,8 +312,6 @@ class SpectralMonitor(pl.Callback):
 
             fig = training_curves(
                 dict(curves), f"step {step} ({100 * step / self.total_steps:.0f}% of training), "
-                f"{sum(len(w.layout.blocks) for w in self._selected)} matrices; band: 25–75% "
-                "of matrices"
-            )
+                f"{sum(len(w.layout.blocks) for w in self._selected)} matrices")
             for writer in writers:
                 writer.add_figure("spectra/ns_error_curves", fig, step)
