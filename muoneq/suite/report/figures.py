@@ -279,7 +279,9 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
     # a panel within 5 inches (TensorBoard shows it alone: TENSORBOARD_CARD_PX): cells 0.6 inch
     # wide up to 5 columns, narrower beyond (a bracketed grid reaches 8), still holding "27.80"
     cell = min(0.6, 3.5 / len(xs))
-    xticks = _cell_ticks(xs)
+    xticks, yticks = _cell_ticks(xs), _cell_ticks(ys)
+    # 10-point digits are about 6 points wide: labels longer than a cell holds are slanted
+    slant = {"rotation": 30, "ha": "right"} if 6 * len(max(xticks, key=len)) > 65 * cell else {}
     fig = Figure(figsize=(cols * (cell * len(xs) + 1.2) + 1.2, rows * (0.45 * len(ys) + 1.2) + 0.8),
                  layout="constrained")
     grid_axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
@@ -295,11 +297,8 @@ def heatmaps(runs: list[dict], spec: HeatmapSpec, axes: Sequence[str], metric: s
         # colour bar and the title say which way is better, the best cell is framed
         image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=vmin, vmax=vmax,
                           origin="lower", aspect="auto")
-        # 10-point digits are about 6 points wide: labels longer than a cell holds are slanted
-        slant = {"rotation": 30, "ha": "right"} if 6 * len(max(xticks, key=len)) > 65 * cell \
-            else {}
         ax.set_xticks(range(len(xs)), xticks, **slant)
-        ax.set_yticks(range(len(ys)), _cell_ticks(ys))
+        ax.set_yticks(range(len(ys)), yticks)
         ax.tick_params(labelbottom=True, labelleft=True)
         ax.set_xlabel(axis_name(spec.x))
         ax.set_ylabel(axis_name(spec.y))
