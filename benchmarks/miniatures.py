@@ -68,14 +68,6 @@ def shown(name: str, folder: Path) -> str:
     return ", ".join(figures)
 
 
-def commit(version) -> str:
-    """The short commit of a :class:`muoneq.suite.code_version.CodeVersion`, ``(dirty)``
-    when its tracked files differed from it."""
-    if version.commit is None:
-        return "no commit"
-    return version.commit[:10] + (" (dirty)" if version.dirty else "")
-
-
 def run(name: str, runs_dir: Path) -> dict:
     """The command timed from nothing: its folder, the one this command wrote the last time,
     is removed first (the runs of a study already there would not run again)."""
@@ -109,8 +101,10 @@ def markdown(record: dict) -> str:
         lines.append(f"| `{m['command']}` | {minutes} min {seconds:02d} s | {m['runs'] or '—'} | "
                      f"{m['cpu']}, {m['cores']} cores | {m['load_before']} → "
                      f"{m['load_after']} | {m['date']}, {m['commit']} | {m['exit_code']} |")
+    from muoneq.suite.report.machine import is_busy
+
     busy = [m["name"] for m in record["miniatures"]
-            if max(m["load_before"], m["load_after"]) > 1.1 * m["cores"]]
+            if is_busy(max(m["load_before"], m["load_after"]), m["cores"])]
     if busy:
         lines.append(f"\nThe machine was busy (a load over its cores) around {', '.join(busy)}: "
                      "those times are the machine's as much as the command's.")
@@ -130,22 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "miniatures",
                    help="record path without suffix (default benchmarks/results/miniatures)")
     args = p.parse_args(argv)
-    sweeps = sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml"))
-    unknown = sorted(set(args.names) - set(sweeps) - set(OTHERS))
+    order = [*sorted(p.stem for p in (REPO / "sweeps").glob("*.yaml")), *OTHERS]
+    unknown = sorted(set(args.names) - set(order))
     if unknown:
-        p.error(f"no miniature named {', '.join(unknown)}; choose from "
-                f"{', '.join([*sweeps, *OTHERS])}")
-    names = args.names or [*sweeps, *OTHERS]
+        p.error(f"no miniature named {', '.join(unknown)}; choose from {', '.join(order)}")
+    names = args.names or order
     import torch
 
     from muoneq.suite import code_version
     from muoneq.suite.machine import device_name
 
     # the code every command runs: the checkout as it is now, before this writes its record
-    code = commit(code_version.current())
+    version = code_version.current()
+    code = code_version.short_commit(version.commit, version.dirty)
     path = args.out.with_suffix(".json")
     record = json.loads(path.read_text()) if path.is_file() else {"miniatures": []}
-    order = [*sweeps, *OTHERS]
     for name in names:
         print(f"{command(name).line} …", flush=True)
         entry = {**run(name, args.runs_dir.resolve()),

@@ -432,7 +432,9 @@ def test_the_fastest_peer_and_our_step_over_it_by_repeat():
     rows = {"torch.optim.Muon": row(1.0, [10, 10, 10]), "Muon (ours)": row(0.5, [5, 5, 5]),
             "MuonEq-R": row(0.5, [5, 6, 4]), "heavyball Muon": row(0.8, [8, 8, 8]),
             "muon-optimizer SingleDeviceMuon": row(1.4, [14, 14, 14])}
-    part = {"result": {"sets": {"gpt2_small": {"contenders": rows}}}}
+    part = {"result": {"sets": {"gpt2_small": {"contenders": rows}},
+                       "peers": {"heavyball Muon": "heavyball 3.0",
+                                 "muon-optimizer SingleDeviceMuon": "muon-optimizer 0.1"}}}
     assert gpu_check.peer_figures(part) == {
         "fastest_peer_gpt2_small": "heavyball Muon",
         "fastest_peer_over_torch_muon_gpt2_small": 0.8,

@@ -51,6 +51,14 @@ class CodeVersion:
         return f"commit {self.commit[:10]}" + (" with uncommitted changes" if self.dirty else "")
 
 
+def short_commit(commit: str | None, dirty: bool | None) -> str:
+    """A record's commit as its tables print it: ``1a2b3c4d5e``, `` (dirty)`` when its tracked
+    files differed from it, ``no commit`` when there was none."""
+    if commit is None:
+        return "no commit"
+    return commit[:10] + (" (dirty)" if dirty else "")
+
+
 def _git(checkout: Path, *args: str) -> str | None:
     try:
         out = subprocess.run(["git", "--no-optional-locks", *args], cwd=checkout,

@@ -67,7 +67,7 @@ from muoneq.optim.distributed import balance
 from muoneq.suite import code_version
 from muoneq.suite.benchmarks import peers
 from muoneq.suite.machine import device_name, load_average
-from muoneq.suite.report.machine import BUSY_MARGIN
+from muoneq.suite.report.machine import BUSY_MARGIN, is_busy
 
 NS_STEPS = 5
 HPARAMS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
@@ -413,7 +413,8 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             synchronize(device)
             times[c.name].append(time.perf_counter() - start)
         rates.append(rate())
-    flops = sum(ns_flops(matrix_shape(torch.empty(s, device="meta")), NS_STEPS) for s in shapes)
+    costs = [ns_flops(matrix_shape(torch.empty(s, device="meta")), NS_STEPS) for s in shapes]
+    flops = sum(costs)
     matmul_gflops = statistics.median(rates)
     acc = accuracy(entries, shapes, device)
     rows = {}
@@ -446,7 +447,6 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             **acc[c.name],
             "times_ms": [x * 1e3 for x in t],
         }
-    costs = [ns_flops(matrix_shape(torch.empty(s, device="meta")), NS_STEPS) for s in shapes]
     ddp = {}
     for world in (2, 4, 8):
         loads = [0.0] * world
@@ -457,7 +457,7 @@ def bench_set(shapes, entries: list[Contender], device, repeats: int) -> dict:
             "within_bound": max(loads) <= sum(costs) / world + max(costs),
         }
     stacked = "MuonEq-R" if device.type != "cpu" else "MuonEq-R (stacked)"  # the stacked row
-    torch_peak = peak_extra_bytes(opts["torch.optim.Muon"].step, device)
+    torch_peak = peaks["torch.optim.Muon"]
     workspace = {"contender": stacked, "default_mb": opts[stacked].workspace_bytes / 2**20,
                  "chunks": sum(len(s.chunks) for s in opts[stacked]._planned().values()),
                  "torch_peak_extra_mb": torch_peak / 2**20,
@@ -618,10 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/bench/step_{device.type}{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(f"{heading(result)}\n\n{table(result)}\n")
-    print(heading(result))
-    print(table(result))
-    print(busy_note(loads, result["cores"]), end="")
+    text = f"{heading(result)}\n\n{table(result)}\n{busy_note(loads, result['cores'])}"
+    out.with_suffix(".md").write_text(text)
+    print(text, end="")
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
     return 0
 
@@ -630,7 +629,7 @@ def busy_note(loads: list[float], cores: int) -> str:
     """A paragraph when the machine's 1-minute load exceeded its cores by more than
     :data:`~muoneq.suite.report.machine.BUSY_MARGIN` while the bench ran (as a report's timing
     note says it): the times are then the machine's as much as the optimizers'."""
-    if max(loads) <= cores * (1 + BUSY_MARGIN):
+    if not is_busy(max(loads), cores):
         return ""
     return (f"\nThe machine was busy: a 1-minute load of {min(loads):.1f} to {max(loads):.1f} on "
             f"{cores} cores (over {BUSY_MARGIN:.0%} above them); the times are the machine's as "
@@ -640,8 +639,7 @@ def busy_note(loads: list[float], cores: int) -> str:
 def heading(result: dict) -> str:
     """What ran where: the device, torch, the date, the commit, the command and the machine's
     load (a load above the cores means other work shared them)."""
-    commit = (result["git_commit"] or "unknown")[:10] + (" (dirty)" if result["git_dirty"]
-                                                         else "")
+    commit = code_version.short_commit(result["git_commit"], result["git_dirty"])
     low, high = result["load_avg"]
     return (f"# muoneq bench on {result['device_label']}\n\n{result['date']}, muoneq at "
             f"{commit}, torch {result['torch']}, {plural(result['repeats'], 'repeat')}, "

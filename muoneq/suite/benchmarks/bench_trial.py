@@ -562,11 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     folder = args.out / ("trial_quick" if args.quick else "trial")
     folder.mkdir(parents=True, exist_ok=True)
+    version = code_version.taken()
     result = {"device": device_name(torch.device("cpu")),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "threads": args.threads, "torch": torch.__version__, "quick": args.quick,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "commit": code_version.taken().commit, "cpus": os.cpu_count()}
+              "commit": version.commit, "dirty": version.dirty, "cpus": os.cpu_count()}
     if "phases" in parts:
         result["phases"] = part_phases(folder, args.quick)
     if "warm" in parts:
@@ -580,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     text = tables(result)
     path.with_suffix(".md").write_text(
-        f"# make bench-trial\n\n{result['date']}, commit {(result['commit'] or '?')[:10]}; "
+        f"# make bench-trial\n\n{result['date']}, commit "
+        f"{code_version.short_commit(result['commit'], result['dirty'])}; "
         f"{text}\n")
     print(text)
     print(f"\nwritten: {path} and {path.with_suffix('.md').name}")

@@ -91,9 +91,9 @@ import torch.nn.functional as F
 
 from muoneq.functional import matrix_shape
 from muoneq.newton_schulz import buffers_for, iteration_for, normalize, ns_settings
+from muoneq.suite import code_version
 from muoneq.suite.benchmarks.bench_step import (
     MATRIX_SETS,
-    PEERS_ONLY_KEEP,
     device_label,
     operations,
     sig3,
@@ -717,7 +717,7 @@ def peer_figures(part: dict) -> dict:
     figures = {}
     for key, data in part["result"]["sets"].items():
         rows = data["contenders"]
-        peers = {name: row for name, row in rows.items() if name not in PEERS_ONLY_KEEP}
+        peers = {name: rows[name] for name in part["result"]["peers"] if name in rows}
         if not peers:
             continue
         best = min(peers, key=lambda name: peers[name]["vs_torch"])
@@ -891,7 +891,7 @@ def summary(record: dict) -> str:
     if record["quick"]:
         lines += ["**QUICK RUN: miniature shapes, no torch.compile. Every figure below is a smoke "
                   "value (it shows that the path runs), not a measurement.**", ""]
-    commit = (record["git_commit"] or "unknown")[:10] + (" (dirty)" if record["git_dirty"] else "")
+    commit = code_version.short_commit(record["git_commit"], record["git_dirty"])
     lines += [f"{record['date']}, muoneq {record['muoneq_version']} at {commit}, torch "
               f"{record['torch']}, `{record['command']}`.", "",
               "| part | status | seconds | date | commit |", "|---|---|---:|---|---|"]

@@ -21,6 +21,12 @@ from muoneq.suite.runtime.metrics import TIMING_KEYS
 BUSY_MARGIN = 0.10
 
 
+def is_busy(load: float, cores: int) -> bool:
+    """Whether a 1-minute ``load`` on ``cores`` cores exceeds them by more than
+    :data:`BUSY_MARGIN`."""
+    return load > cores * (1 + BUSY_MARGIN)
+
+
 def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
@@ -47,7 +53,7 @@ def timing_note(runs: Sequence[dict], metrics: Sequence[str]) -> str:
             f"{_listed(r.get('cores') for r in runs)} cores; the machine's 1-minute load "
             f"average at the timed steps was {min(loads):.1f} to {max(loads):.1f} (mean per "
             "run)")
-    busy = [r for r in recorded if r["load_avg"] > r["cores"] * (1 + BUSY_MARGIN)]
+    busy = [r for r in recorded if is_busy(r["load_avg"], r["cores"])]
     if busy:
         text += (f". **The machine was busy** (a load over {BUSY_MARGIN:.0%} above its cores) "
                  f"during {len(busy)} of {len(recorded)} runs: a difference in {what} may be the "
