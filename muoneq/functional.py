@@ -339,10 +339,10 @@ def stage_banks(chunks: list[Chunk], nesterov: bool, beta: float) -> None:
     ``M̃ = lerp(G, M, β)`` there (with the momentum already updated)."""
     if not nesterov:
         return
-    for bank in dict.fromkeys(s.bank for c in chunks for s in c.segments
-                              if not (s.bank.in_place or s.bank.assembled)):
-        torch.stack([p.grad for p in bank.params], out=bank.gather)
-        bank.gather.lerp_(bank.momentum, beta)
+    for chunk in chunks:
+        for params, gather, momentum in chunk.stages:  # the runs with a gradient
+            torch.stack([p.grad for p in params], out=gather)
+            gather.lerp_(momentum, beta)
 
 
 def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: float, eps: float,

@@ -98,3 +98,40 @@ def test_state_dicts_from_before_layouts_load_with_the_plain_layout():
     opt.load_state_dict(saved)
     group = opt.param_groups[0]
     assert (group["transposed"], group["splits"], group["batch_dims"]) == (False, None, 0)
+
+
+
+@pytest.mark.parametrize("batching", ["per_matrix", "stacked"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("keys, dtype", [({"transposed": True}, torch.float64),
+                                         ({}, torch.bfloat16)], ids=["transposed", "bf16"])
+def test_a_staged_bank_steps_only_the_matrices_that_have_a_gradient(batching, nesterov, keys,
+                                                                    dtype):
+    """Banks staged outside the stacks (stored transposed, or below float32 with Nesterov):
+    a matrix whose gradient is None is left as it is (torch.optim skips it) and the others step
+    as an optimizer of their own (before: a TypeError with Nesterov; without it the matrix
+    moved by the directions left in the bank from its last step)."""
+    torch.manual_seed(0)
+    start = [torch.randn(16, 8, dtype=dtype) for _ in range(3)]
+    grads = [[torch.randn(16, 8, dtype=dtype) for _ in range(3)] for _ in range(2)]
+
+    def run(kept: list[int]) -> list[dict[int, torch.Tensor]]:
+        """The kept matrices after each of two steps; matrix 1 has no gradient at the second."""
+        params = [nn.Parameter(start[i].clone()) for i in kept]
+        opt = MuonEq([{"params": params, **keys}], lr=0.02, nesterov=nesterov,
+                     batching=batching, ns_dtype=torch.float32)
+        after = []
+        for step in range(2):
+            for p, i in zip(params, kept, strict=True):
+                p.grad = None if (step, i) == (1, 1) else grads[step][i].clone()
+            opt.step()
+            after.append({i: p.detach().clone() for p, i in zip(params, kept, strict=True)})
+        return after
+
+    together = run([0, 1, 2])
+    assert torch.equal(together[1][1], together[0][1])
+    assert not torch.equal(together[1][0], together[0][0])
+    if dtype == torch.float64:  # the others: as if matrix 1 were in no bank with them
+        apart = run([0, 2])
+        for i in (0, 2):
+            torch.testing.assert_close(together[1][i], apart[1][i], rtol=0, atol=1e-12)

@@ -346,7 +346,10 @@ class Chunk:
     of the foreach update; ``writebacks`` the ``(stored-layout block, (from final, from stack))``
     copies of staged banks' directions, and ``completes`` the ``(params, directions)`` of the
     banks whose directions are all in their stored layout after this chunk (their blocks have
-    the chunk's shape, and so its ``a``).
+    the chunk's shape, and so its ``a``). ``stages`` are the ``(params, gather, momentum)`` of
+    the staged banks whose first blocks this chunk holds, where the step forms their ``M̃``
+    (:func:`~muoneq.functional.stage_banks`). Both hold the runs of parameters with a gradient
+    only.
     """
 
     shape: tuple[int, int]
@@ -365,9 +368,10 @@ class Chunk:
     final: Tensor | None = None
     final_readable: bool = False
     targets: list[Tensor] = field(default_factory=list)
-    sources: tuple[list[Tensor], list[Tensor]] = ([], [])
+    sources: tuple[list[Tensor], list[Tensor]] = field(default_factory=lambda: ([], []))
     writebacks: list[tuple[Tensor, tuple[Tensor | None, Tensor]]] = field(default_factory=list)
     completes: list[tuple[list[Tensor], list[Tensor]]] = field(default_factory=list)
+    stages: list[tuple[list[Tensor], Tensor, Tensor]] = field(default_factory=list)
     step: Tensor | None = None
 
     @property
@@ -523,7 +527,7 @@ def carve(chunks: list[Chunk], settings: StackSettings, workspace: Workspace) ->
             chunk.final = (chunk.ns_input, chunk.ns_buffers["ns_other"])[steps % 2]
             chunk.final_readable = chunk.final.dtype == chunk.segments[0].momentum.dtype
         _carve_segments(chunk, settings)
-    _complete_banks(chunks)
+    _stage_and_complete_banks(chunks)
 
 
 def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
@@ -545,7 +549,6 @@ def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
 def _carve_segments(chunk: Chunk, settings: StackSettings) -> None:
     """Where each segment's ``M̃`` comes from and where its directions go (class docstrings)."""
     buffers = (chunk.final if chunk.final_readable else None, chunk.stack)
-    chunk.targets, chunk.sources = [], ([], [])
     offset, stored = 0, 0
     for segment in chunk.segments:
         bank, layout = segment.bank, segment.bank.layout
@@ -628,18 +631,29 @@ def _carve_update(chunk: Chunk, segment: Segment, offset: int,
                         out.append(view)
 
 
-def _complete_banks(chunks: list[Chunk]) -> None:
-    """Give the chunk that writes the last block of a staged uniform bank back that bank's
-    update: its parameters, their directions in the stored layout, and ``a`` (an assembled
-    bank's directions stay in ``gather``: :mod:`muoneq.optim.distributed` sends them)."""
-    last: dict[int, tuple[Bank, Chunk]] = {}
+def _stage_and_complete_banks(chunks: list[Chunk]) -> None:
+    """For each bank staged outside the stacks (not ``in_place``, not assembled), per run of
+    the parameters ``chunks`` hold (those with a gradient): give the chunk that holds its first
+    blocks the forming of ``M̃`` in ``gather``, and, for a uniform bank stored other than
+    ``(out, in·…)``, the chunk that writes its last blocks back the update: the parameters, their
+    directions in the stored layout, and ``a`` (an assembled bank's directions stay in
+    ``gather``: :mod:`muoneq.optim.distributed` sends them)."""
+    held: dict[int, tuple[Bank, Chunk, Chunk, set[int]]] = {}
     for chunk in chunks:
         for segment in chunk.segments:
-            layout = segment.bank.layout
-            if not layout.plain and layout.uniform and not segment.bank.assembled:
-                last[id(segment.bank)] = (segment.bank, chunk)
-    for bank, chunk in last.values():  # its blocks have the chunk's shape, and so its ``a``
-        chunk.completes.append((bank.params, list(bank.gather.unbind(0))))
+            bank = segment.bank
+            if bank.in_place or bank.assembled:
+                continue
+            _, first, _, rows = held.get(id(bank), (bank, chunk, chunk, set()))
+            rows.update(range(segment.lo, segment.hi))
+            held[id(bank)] = (bank, first, chunk, rows)
+    for bank, first, last, rows in held.values():
+        complete = not bank.layout.plain and bank.layout.uniform
+        for lo, hi in runs_of([i in rows for i in range(len(bank.params))]):
+            params, gather = bank.params[lo:hi], bank.gather[lo:hi]
+            first.stages.append((params, gather, bank.momentum[lo:hi]))
+            if complete:  # its blocks have the chunk's shape, and so its ``a``
+                last.completes.append((params, list(gather.unbind(0))))
 
 
 def muon_step_bytes(shape: tuple[int, int], dtype: torch.dtype, nesterov: bool) -> int:
