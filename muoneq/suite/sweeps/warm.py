@@ -244,12 +244,17 @@ def serve(sock: socket.socket) -> int:
     if hello is None:
         return 0
     version, started = code_version.taken(), _now()  # before the imports: what trials run
-    env = {k: v for k, v in os.environ.items() if k != THREADS_ENV}
-    probe = subprocess.Popen([sys.executable, "-c", THREADS_PROBE], env=env,
-                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # the threads a new process would choose, read only for trials that do not set theirs:
+    # none where the server's environment does (a forked trial's is the server's)
+    probe = None
+    if _thread_count(hello["threads"]) is None:
+        env = {k: v for k, v in os.environ.items() if k != THREADS_ENV}
+        probe = subprocess.Popen([sys.executable, "-c", THREADS_PROBE], env=env,
+                                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         preload(hello["preload"])
-        chosen, blas = json.loads(probe.communicate()[0].splitlines()[-1])
+        chosen, blas = (None, None) if probe is None else json.loads(
+            probe.communicate()[0].splitlines()[-1])
         _forkable()
     except BaseException as err:
         traceback.print_exc()
@@ -585,7 +590,7 @@ class Server:
                                         daemon=True)
         self._copier.start()
         with contextlib.suppress(OSError):  # it ended at once: its reader finds out why
-            _send(ours, {"preload": self.preload})
+            _send(ours, {"preload": self.preload, "threads": self.env.get(THREADS_ENV)})
         threading.Thread(target=self._read, name="warm-server-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="warm-server-watch", daemon=True).start()
 
