@@ -137,7 +137,7 @@ class Driver:
             self.launcher.close()
             raise
         self.runner = Runner(self.ledger, self.study_dir, self.slots, self.stop, self.opts.tick_s,
-                             self.launcher, self.threads)
+                             self.launcher)
         self._lock = threading.Lock()
         #: what stopped every worker: a full disk, or a file or folder out of reach
         self.failure: UserError | None = None

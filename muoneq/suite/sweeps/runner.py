@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import optuna
@@ -33,12 +33,11 @@ class Runner:
     """Runs jobs for the workers of one driver; ``slots[i]`` are worker ``i``'s devices."""
 
     def __init__(self, ledger: Ledger, study_dir: Path, slots: Sequence[Sequence[str]],
-                 stop: threading.Event, tick_s: float, launcher: launch.Launcher,
-                 env: Mapping[str, str] | None = None):
+                 stop: threading.Event, tick_s: float, launcher: launch.Launcher):
         self.ledger, self.spec = ledger, ledger.spec
         self.study_dir, self.slots, self.stop, self.tick_s = study_dir, slots, stop, tick_s
-        self.launcher = launcher  #: how trials start: forked warm or spawned (launch.warm)
-        self.env = dict(env or {})  #: defaults of every trial's environment (its threads)
+        #: how trials start (forked warm or spawned: launch.warm), and from which environment
+        self.launcher = launcher
 
     def execute(self, job: Job, slot: int) -> None:
         try:
@@ -86,7 +85,7 @@ class Runner:
             run_dir = job.point.run_dir(self.study_dir, seed)
             argv, env, fingerprint = launch.trial_command(
                 self.spec, job.point, seed, run_dir, trial=job.number, devices=self.slots[slot],
-                worker=slot, env_defaults=self.env, study_dir=self.study_dir,
+                worker=slot, env_defaults=self.launcher.env_defaults, study_dir=self.study_dir,
                 environ=self.launcher.environ)
             metrics = launch.read_metrics(run_dir)
             if metrics is not None:
