@@ -171,7 +171,11 @@ def test_the_server_imports_while_the_driver_checks_the_study(tmp_path, monkeypa
     """The server used to start once the driver had checked the study (every point's config
     composed and type-checked) and opened it: seconds a study of short trials paid before its
     first trial (docs/sweeps.md). It starts first; a check that fails leaves neither a server
-    nor a file (its output is held until the study folder exists)."""
+    nor a file (its output is held until the study folder exists). A driver built after the
+    runtime was imported (torch wrote its default compile cache into the environment) gives
+    the server, and so every trial, the study's compile cache."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     from muoneq.suite.sweeps import validate
 
     order, servers = [], []
@@ -184,17 +188,19 @@ def test_the_server_imports_while_the_driver_checks_the_study(tmp_path, monkeypa
 
     def checking(spec, study_dir):
         order.append("preflight")
-        # as importing torch._dynamo does in a real preflight: its default compile cache
-        monkeypatch.setenv(launch.COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
         return check(spec, study_dir)
 
     monkeypatch.setattr(warm.Server, "start", starting)
     monkeypatch.setattr(validate, "check_trials", checking)
     spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], launch=WARM_LAUNCH))
-    monkeypatch.delenv(launch.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv(launch.COMPILE_CACHE_ENV, "")  # restored after the test
+    monkeypatch.delenv(launch.COMPILE_CACHE_ENV)
+    cache_dir()  # what importing torch._dynamo does: torch writes its default
+    assert os.environ[launch.COMPILE_CACHE_ENV]
     assert Driver(spec, options(tmp_path)).run().done == 2
     assert order[:2] == ["server", "preflight"]
     study = tmp_path / "runs" / "tiny"
+    assert servers[0].env[launch.COMPILE_CACHE_ENV] == str(study.resolve() / "compile_cache")
     for run_dir in (p.run_dir(study, 0) for p in spec.points()):  # not spawned: env differs
         assert forked_by(run_dir) == [servers[0].pid], (run_dir / launch.LOG_NAME).read_text()
     log = (tmp_path / "runs" / "tiny" / warm.SERVER_LOG).read_text()

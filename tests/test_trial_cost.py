@@ -7,6 +7,7 @@ remaining time of a sweep, and the benchmark that measures all this (smoke run).
 from __future__ import annotations
 
 import datetime
+import getpass
 import importlib.util
 import json
 import logging
@@ -14,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import lightning as L
@@ -27,7 +29,7 @@ from muoneq.suite.runtime.module import compiles
 from muoneq.suite.sweeps import Driver, load_sweep
 from muoneq.suite.sweeps.eta import duration, estimate
 from muoneq.suite.sweeps.launch import COMPILE_CACHE_ENV, trial_command
-from tests.helpers.commands import make
+from tests.helpers.commands import clean_env, make
 from tests.helpers.language import language_shards, tiny_args  # noqa: F401 (a fixture)
 from tests.helpers.runtime import tiny, tiny_language
 from tests.helpers.sweeps import load, options, scalars, write_sweep
@@ -263,55 +265,68 @@ with open(os.path.join(args["run.dir"], "metrics.json"), "w") as fh:
 """
 
 
-def test_the_sweep_gives_its_trials_the_study_compile_cache(tmp_path, monkeypatch):
-    """Also when the driver's preflight imports torch._dynamo, which sets the variable to
-    torch's default in the driver's environment (not a value of the user's)."""
-    from muoneq.suite.sweeps import validate
+#: a Python user's script: the runtime imported first (importing torch._dynamo writes torch's
+#: default compile cache folder into os.environ), then a driver of the sweep argv[1]
+AFTER_TORCH = """
+import json, os, sys
+from pathlib import Path
+import torch._dynamo
+written = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+from muoneq.suite.sweeps import Driver, DriverOptions, load_sweep
+summary = Driver(load_sweep(sys.argv[1]), DriverOptions(runs_dir=Path(sys.argv[2]))).run()
+print(json.dumps({"written": written, "exit_code": summary.exit_code}))
+"""
 
-    check = validate.check_trials
 
-    def checking(spec, study_dir):
-        monkeypatch.setenv(COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
-        return check(spec, study_dir)
-
-    monkeypatch.setattr(validate, "check_trials", checking)
-    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+def env_sweep(tmp_path, **fields):
+    """A sweep whose trials write the compile cache they were given into their metrics."""
     program = tmp_path / "env_program.py"
     program.write_text(ENV_PROGRAM)
-    spec = load_sweep(write_sweep(tmp_path / "s.yaml", seeds=[0], launch={
-        "command": f"{{python}} {program} {{overrides}} seed={{seed}} run.dir={{run_dir}}"}))
-    driver = Driver(spec, options(tmp_path))
-    assert driver.run().exit_code == 0
-    for point in spec.points():
-        metrics = json.loads((point.run_dir(driver.study_dir, 0) / "metrics.json").read_text())
-        assert metrics["cache"] == str(driver.study_dir.resolve() / "compile_cache")
+    return write_sweep(tmp_path / "s.yaml", seeds=[0], launch={
+        "command": f"{{python}} {program} {{overrides}} seed={{seed}} run.dir={{run_dir}}"},
+        **fields)
 
 
-def test_muoneq_sweep_gives_its_trials_the_study_compile_cache_after_preparing_data(
-        tmp_path, monkeypatch):
-    """``muoneq sweep --mini`` prepares its data before it starts the driver, which imports
-    torch._dynamo (it sets the variable to torch's default): the trials still get the study's
-    cache, the environment being the command's as it started."""
-    from muoneq.suite.sweeps import cli
+def trial_caches(spec, study_dir) -> set[str]:
+    return {json.loads((p.run_dir(study_dir, 0) / "metrics.json").read_text())["cache"]
+            for p in spec.points()}
 
-    load = cli.load_sweep
 
-    def loading(*args, **kwargs):  # as preparing a miniature's data does after it
-        spec = load(*args, **kwargs)
-        monkeypatch.setenv(COMPILE_CACHE_ENV, "/tmp/torchinductor_default")
-        return spec
+def torch_default_cache() -> str:
+    """Where torch compiles by default (its cache_dir_utils.default_cache_dir, by hand)."""
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
-    monkeypatch.setattr(cli, "load_sweep", loading)
-    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
-    program = tmp_path / "env_program.py"
-    program.write_text(ENV_PROGRAM)
-    path = write_sweep(tmp_path / "s.yaml", seeds=[0], launch={
-        "command": f"{{python}} {program} {{overrides}} seed={{seed}} run.dir={{run_dir}}"})
-    assert cli.main([str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
-    study_dir = tmp_path / "runs" / "tiny"
-    for point in load(path).points():
-        metrics = json.loads((point.run_dir(study_dir, 0) / "metrics.json").read_text())
-        assert metrics["cache"] == str(study_dir.resolve() / "compile_cache")
+
+def test_a_driver_built_after_importing_torch_gives_its_trials_the_study_compile_cache(
+        tmp_path):
+    """Torch's default in the environment is nobody's choice: a script that imported the runtime
+    (torch._dynamo) before it builds a driver still gets the study's cache for its trials."""
+    path, runs = env_sweep(tmp_path), tmp_path / "runs"
+    env = {k: v for k, v in clean_env().items() if k != COMPILE_CACHE_ENV}
+    done = subprocess.run([sys.executable, "-c", AFTER_TORCH, str(path), str(runs)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["exit_code"] == 0
+    if torch.__version__ >= (2, 14):  # torch 2.9 writes it at its first compile, not at import
+        assert result["written"] == torch_default_cache()
+    assert trial_caches(load_sweep(path), runs / "tiny") == {
+        str((runs / "tiny").resolve() / "compile_cache")}
+
+
+def test_muoneq_sweep_mini_gives_its_trials_the_study_compile_cache(tmp_path):
+    """``muoneq sweep --mini`` prepares its data, which imports the runtime, before its driver
+    starts."""
+    path = env_sweep(tmp_path, experiment="mini_llama", overrides=[], mini={
+        "grid": [{"optimizer": ["muon_nes", "muoneq_nes"], "optimizer.lr": [0.02]}]})
+    runs = tmp_path / "runs"
+    env = {k: v for k, v in clean_env().items() if k != COMPILE_CACHE_ENV}
+    done = subprocess.run([sys.executable, "-m", "muoneq", "sweep", str(path), "--mini",
+                           "--runs-dir", str(runs)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert trial_caches(load_sweep(path, mini=True), runs / "tiny-mini") == {
+        str((runs / "tiny-mini").resolve() / "compile_cache")}
 
 
 # ----------------------------------------------------------------------------- when it ends

@@ -117,7 +117,6 @@ def next_steps(study_dir: Path, runs_dir: Path) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    environ = dict(os.environ)  # the trials', before preparing data imports torch (DriverOptions)
     p = argparse.ArgumentParser(
         prog="muoneq demo", description="A miniature of the paper's ablation, offline on a CPU "
         "(make demo): a tiny LLaMA trained by Muon-Nes, MuonEq-Nes R, C, RC and AdamW at three "
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: {n_runs} training runs (more if bracketing extends a grid), {args.workers} at "
           f"a time, in {study_dir}/ (interrupt and re-run to continue)", flush=True)
     try:
-        driver = Driver(spec, DriverOptions(workers=args.workers, runs_dir=args.runs_dir,
-                                            environ=environ))
+        driver = Driver(spec, DriverOptions(workers=args.workers, runs_dir=args.runs_dir))
     except SweepError as err:  # its way out names the sweep's --set, which the demo lacks
         raise SweepError(
             f"{study_dir} holds a demo run with other settings (an older muoneq?), which this "

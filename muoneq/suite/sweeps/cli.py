@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import signal
 from pathlib import Path
@@ -73,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    environ = dict(os.environ)  # the trials', before preparing data imports torch (DriverOptions)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -83,7 +81,7 @@ def main(argv: list[str]) -> int:
     spec.overrides = list(spec.overrides) + list(args.train_overrides)
     devices = args.devices.split(",") if args.devices else None
     options = DriverOptions(storage=args.storage, workers=args.workers, devices=devices,
-                            runs_dir=args.runs_dir, poll_s=args.poll, environ=environ)
+                            runs_dir=args.runs_dir, poll_s=args.poll)
     try:
         if args.dry_run:
             return _dry_run(spec, options)

@@ -46,7 +46,6 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +74,6 @@ class DriverOptions:
     runs_dir: Path = Path("runs")
     poll_s: float = 5.0  #: how often an idle worker looks for work again
     tick_s: float = 1.0  #: how often a running trial is checked
-    #: the environment trials start from; None: this process's when the driver starts. The
-    #: commands pass theirs as it was before their own imports, which change it (importing
-    #: ``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default, which would stand
-    #: for a value of the user's over the study's compile cache)
-    environ: Mapping[str, str] | None = None
 
 
 def device_slots(launch: Launch, workers: int, devices: list[str] | None) -> list[list[str]]:
@@ -120,8 +114,7 @@ class Driver:
         self.threads = thread_defaults(spec, self.opts.workers)
         # trials forked warm: the server imports the runtime while the study is checked and
         # opened (seconds each); run() closes it
-        self.launcher = Launcher(spec, self.study_dir, self.stop, self.threads,
-                                 os.environ if self.opts.environ is None else self.opts.environ)
+        self.launcher = Launcher(spec, self.study_dir, self.stop, self.threads)
         try:
             self.launcher.open()
             preflight(spec, self.opts.storage, self.study_dir)  # creates nothing

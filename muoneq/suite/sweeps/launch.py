@@ -16,6 +16,7 @@ The trial contract: the command writes ``<run dir>/metrics.json`` as its very la
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -105,13 +106,30 @@ def thread_defaults(spec: SweepSpec, workers: int) -> dict[str, str]:
     return {THREADS_ENV: str(max(1, cores() // workers))}
 
 
+@functools.cache
+def torch_compile_cache() -> str:
+    """The :data:`COMPILE_CACHE_ENV` torch writes into ``os.environ`` when it finds none: its
+    default folder (importing ``torch._dynamo`` writes it on torch 2.14 and 2.15, a first
+    compile on 2.9), which a process that imported the runtime, or was started by one, holds
+    though nobody chose it."""
+    # torch has no public way to ask: cache_dir_utils.default_cache_dir is the value its
+    # cache_dir() writes (torch 2.9 to 2.15; 2.14 writes it made absolute)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
 def trial_env(spec: SweepSpec, devices: Sequence[str] = (),
               env_defaults: Mapping[str, str] = MappingProxyType({}),
               study_dir: Path | None = None,
               environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial on ``devices`` (see :func:`trial_command`)."""
+    inherited = dict(os.environ if environ is None else environ)
+    cache = inherited.get(COMPILE_CACHE_ENV)
+    if cache is not None and os.path.abspath(cache) == torch_compile_cache():
+        del inherited[COMPILE_CACHE_ENV]  # torch's, not the user's: the study's cache instead
     # the sweep writes the HParams view of its runs (muoneq.suite.sweeps.hparams)
-    env = {**env_defaults, **(os.environ if environ is None else environ), HPARAMS_ENV: "0",
+    env = {**env_defaults, **inherited, HPARAMS_ENV: "0",
            **{k: str(v) for k, v in spec.launch.env.items()}}
     if spec.launch.devices_per_trial:
         env[spec.launch.device_env] = ",".join(devices)
@@ -127,9 +145,10 @@ def trial_command(spec: SweepSpec, point: Point, seed: int, run_dir: Path, *, tr
     """The argv, environment and fingerprint of one run (the launch template filled in). The
     environment: ``env_defaults`` (:func:`thread_defaults`) under ``environ`` (None: this
     process's) under ``launch.env``. With ``study_dir``, it points ``torch.compile``'s cache at
-    the study's ``compile_cache/`` (:data:`COMPILE_CACHE_ENV`; a value of the user's, in the
-    environment or ``launch.env``, wins): a compiled trial stores its kernels there and the
-    next ones load them instead of compiling again."""
+    the study's ``compile_cache/`` (:data:`COMPILE_CACHE_ENV`; a value of the user's, in
+    ``environ`` or ``launch.env``, wins, and torch's default in ``environ``,
+    :func:`torch_compile_cache`, is nobody's): a compiled trial stores its kernels there and
+    the next ones load them instead of compiling again."""
     overrides = list(spec.overrides) + point.overrides()
     fields = {**spec.launch.vars, "python": sys.executable,
               "experiment": spec.experiment_of(point), "overrides": " ".join(overrides),
@@ -460,12 +479,14 @@ class Launcher:
     one's trials run on), and a trial is spawned when the code changed again meanwhile."""
 
     def __init__(self, spec: SweepSpec, study_dir: Path, stop: threading.Event,
-                 env_defaults: Mapping[str, str], environ: Mapping[str, str]) -> None:
+                 env_defaults: Mapping[str, str]) -> None:
         self.spec, self.study_dir, self.stop = spec, Path(study_dir), stop
         self.env_defaults = dict(env_defaults)
-        #: the environment the trials start from (``DriverOptions.environ``), copied before the
-        #: driver's own imports change it
-        self.environ = dict(environ)
+        #: the environment the server and every trial start from: the driver's as it started,
+        #: before the preflight's imports change it (torch rewrites TORCHINDUCTOR_CACHE_DIR:
+        #: its default where none, a relative path made absolute), which would differ from the
+        #: server's and leave every trial spawned
+        self.environ = dict(os.environ)
         self.module, self.why = warm_module(spec)
         self.server: warm.Server | None = None
         #: servers replaced after the checkout changed, closed once their trials ended
