@@ -29,6 +29,7 @@ weights stored otherwise (transposed, expert banks, fused blocks) are cut into t
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -104,6 +105,20 @@ def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
     if lr_adjust == "none":
         return 1.0
     raise ValueError(f"lr_adjust: unknown value {lr_adjust!r}; allowed: {', '.join(LR_ADJUST)}")
+
+
+def is_dtensor(t) -> bool:
+    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (slow to
+    import): no DTensor can exist before that module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local part (its shard, or its copy where
+    it is replicated: the tensor itself, ``to_local()`` would dispatch a view on every call),
+    any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 # ----------------------------------------------------------------------------- one matrix
@@ -341,7 +356,7 @@ def stage_banks(chunks: list[Chunk], nesterov: bool, beta: float) -> None:
         return
     for chunk in chunks:
         for params, gather, momentum in chunk.stages:  # the runs with a gradient
-            torch.stack([p.grad for p in params], out=gather)
+            torch.stack([local(p.grad) for p in params], out=gather)
             gather.lerp_(momentum, beta)
 
 
@@ -353,12 +368,12 @@ def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: flo
     (``chunk.ns_input``)."""
     for segment in chunk.segments:
         if segment.gather is not None and nesterov:  # M̃ formed in the stack itself
-            torch.stack([p.grad for p in segment.params], out=segment.gather)
+            torch.stack([local(p.grad) for p in segment.params], out=segment.gather)
             segment.gather.lerp_(segment.momentum, beta)
         elif segment.source is not None:
             segment.stack.copy_(segment.source)
         if segment.gradient_stack is not None:
-            torch.stack([p.grad for p in segment.params], out=segment.gradient_stack)
+            torch.stack([local(p.grad) for p in segment.params], out=segment.gradient_stack)
         if segment.gradient_copy is not None:
             segment.gradient_copy[0].copy_(segment.gradient_copy[1])
     source, whole = chunk.source, len(chunk.segments) == 1

@@ -46,12 +46,13 @@ from muoneq.optim.plan import (
     Chunk,
     GroupPlan,
     GroupStep,
+    OwnRows,
     Segment,
     StackSettings,
     chunk_of,
-    is_dtensor,
     local,
     promoted,
+    row_shard_dim,
     runs_of,
     shard_rows,
 )
@@ -74,34 +75,16 @@ def balance(costs: Sequence[float], world: int) -> list[int]:
     return owners
 
 
-def row_shard_dim(p: Tensor) -> int | None:
-    """The mesh dimension along which ``p`` is sharded by rows, ``None`` if it is not.
-
-    Plain tensors and fully replicated ``DTensor``s give ``None``; ``Shard(0)`` on one mesh
-    dimension with ``Replicate`` on the others (FSDP2, HSDP) gives that dimension; any other
-    layout (column or tensor-parallel shards) is rejected with an error naming it.
-    """
-    if not is_dtensor(p):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements = p.placements
-    sharded = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
-    if not sharded:
-        return None
-    if len(sharded) == 1 and placements[sharded[0]] == Shard(0):
-        return sharded[0]
-    raise NotImplementedError(
-        f"a DTensor parameter of shape {tuple(p.shape)} has placements {placements}; "
-        "orthogonalized updates support replicated tensors and row shards (Shard(0) on one "
-        "mesh dimension, as FSDP2's fully_shard makes them), not column or tensor-parallel "
-        "shards"
-    )
-
-
-def check_layout(p: Tensor) -> None:
-    """Refuse a parameter laid out in a way no exchange here handles (:func:`row_shard_dim`)."""
-    row_shard_dim(p)
+def check_layouts(params: Sequence[Tensor]) -> None:
+    """Refuse parameters laid out in a way no exchange here handles (:func:`row_shard_dim`),
+    and a group that mixes row-sharded ``DTensor`` parameters with others (FSDP2 gathers the
+    rows of every matrix of a group)."""
+    sharded = [row_shard_dim(p) is not None for p in params]
+    if any(sharded) and not all(sharded):
+        raise ValueError(
+            "params: a matrix group mixes row-sharded DTensor parameters (FSDP2's) with "
+            "replicated or plain ones; put each kind in a param group of its own"
+        )
 
 
 def check_same_gradients(grads: Sequence[Tensor], group) -> None:
@@ -456,7 +439,7 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
     rows_of = {id(bank): d for bank, d in zip(plan.banks, sharded.directions, strict=True)}
     by_shape: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
     for bank in plan.banks:
-        start = row_offset(bank.params[0])
+        start = OwnRows.of(bank.params[0], bank.params[0].shape).start
         for p, d in zip(bank.params, rows_of[id(bank)].unbind(0), strict=True):
             if id(p) not in sharded.present:
                 continue
@@ -469,15 +452,6 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
                        for shape, lists in by_shape.items()]
 
 
-def row_offset(p: Tensor) -> int:
-    """The first stored row of ``p`` this rank holds: 0 unless ``p`` is row-sharded."""
-    dim = row_shard_dim(p)
-    if dim is None:
-        return 0
-    mesh = p.device_mesh
-    return shard_rows(p.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)][0]
-
-
 # ----------------------------------------------------------------------------- the step
 def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: dict,
                    lr: float | Tensor, weight_decay: float | Tensor, beta: float,
@@ -486,8 +460,7 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
     """:func:`muoneq.functional.step_stacks` with the matrices shared out between processes
     (``step.exchange``: :class:`Split` or :class:`Sharded`)."""
     compiled = compiled or {}
-    local_params = [local(p) for p in step.params]
-    decay_weights(local_params, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
+    decay_weights(step.weights, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
     torch._foreach_lerp_(step.momenta, grads, 1 - beta)             # line 5, this rank's rows
     exchange = step.exchange
     computed = step.exchanged if isinstance(exchange, Split) else step.chunks
