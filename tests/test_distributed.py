@@ -202,6 +202,8 @@ def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
 BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
 #: Every matrix method, as the registry builds it.
 BUDGET_METHODS = ("muoneq", "muon", "muon_plus", "normuon", "adamuon", "mousse")
+#: The methods that take ``capturable=True`` (a tensor ``lr`` read on the device).
+CAPTURABLE_METHODS = ("muoneq", "muon")
 
 
 def budgets_worker(rank: int, world: int) -> dict:
@@ -218,8 +220,10 @@ def budgets_worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     runs = [("stacked", 2), ("stacked", 6), ("per_matrix", 2)]
-    for path, method, (batching, copies) in itertools.product(("ddp", "fsdp"), BUDGET_METHODS,
-                                                              runs):
+    capturable = [(method, "stacked", 2, True) for method in CAPTURABLE_METHODS]
+    for path, (method, batching, copies, tensor_lr) in itertools.product(
+            ("ddp", "fsdp"), [*((m, *run, False) for m in BUDGET_METHODS for run in runs),
+                              *capturable]):
         gen = torch.Generator().manual_seed(0)
         values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
         grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
@@ -228,13 +232,16 @@ def budgets_worker(rank: int, world: int) -> dict:
         params = [nn.Parameter(place(v)) for v in values]
         for p, g in zip(params, grads, strict=True):
             p.grad = place(g)
-        opt = build_optimizer(method, [{"params": params}], lr=0.02, ns_dtype="float32",
-                              batching=batching, workspace_limit=None,
+        lr = {"lr": torch.tensor(0.02), "capturable": True} if tensor_lr else {"lr": 0.02}
+        opt = build_optimizer(method, [{"params": params}], ns_dtype="float32",
+                              batching=batching, workspace_limit=None, **lr,
                               **METHOD_OPTIONS.get(method, {}))
         opt.step()
         seen, refreshing = dispatched(opt.step), dispatched(opt.step)
-        results[(path, method, batching, copies)] = (dict(seen.ops),
-                                                     seen.allocated + refreshing.allocated)
+        key = (path, method, batching, copies, *(("capturable",) if tensor_lr else ()))
+        results[key] = (dict(seen.ops), seen.allocated + refreshing.allocated)
+        results[(*key, "weights")] = [
+            (p.full_tensor() if path == "fsdp" else p).detach().clone() for p in params]
     return results
 
 
@@ -329,6 +336,27 @@ def test_a_distributed_step_keeps_its_budget_and_allocates_nothing(spawned, path
         assert allocated == [] and more_allocated == [] and per_matrix == []
         assert ops == more_ops, "the operations grow with the shapes, not with the matrices"
         assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path][method], ops
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("method", CAPTURABLE_METHODS)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_a_capturable_distributed_step_allocates_nothing_and_equals_the_float_lr_step(
+        spawned, path, method):
+    """A tensor ``lr`` (``capturable=True``): ``−a·η`` computed on the device into buffers of the
+    plan, nothing allocated after the first step, within the float step's budget plus line
+    13's ``1 − η·λ`` on the device (3 operations) and, per shape, ``−a·η`` and its product with
+    the directions; and the weights of the same steps with ``lr`` a float."""
+    extra = 3 + 2 * len(set(BUDGET_SHAPES))
+    for r in range(WORLD):
+        ops, allocated = spawned[r]["budgets"][(path, method, "stacked", 2, "capturable")]
+        assert allocated == []
+        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path][method] + extra, ops
+        got = spawned[r]["budgets"][(path, method, "stacked", 2, "capturable", "weights")]
+        want = spawned[r]["budgets"][(path, method, "stacked", 2, "weights")]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.distributed

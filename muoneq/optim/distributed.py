@@ -306,8 +306,10 @@ class Sharded:
         default_factory=list)
     #: this rank's rows of each local bank's directions, in the parameters' dtype
     directions: list[Tensor] = field(default_factory=list)
-    #: the local update: per block shape ``(a, params' pieces, directions' pieces)``
-    updates: list[tuple[float, list[Tensor], list[Tensor]]] = field(default_factory=list)
+    #: the local update: per block shape ``(a, −a·η as a tensor (for a tensor ``η``,
+    #: ``capturable``), params' pieces, directions' pieces)``
+    updates: list[tuple[float, Tensor, list[Tensor], list[Tensor]]] = field(
+        default_factory=list)
 
     @property
     def buffers(self) -> list[Tensor]:
@@ -315,7 +317,7 @@ class Sharded:
                  for t in (trip.send, trip.received)]
         assembled = [t for bank in self.banks
                      for t in (*bank.state.values(), bank.gradient) if t is not None]
-        return [*trips, *assembled, *self.directions]
+        return [*trips, *assembled, *self.directions, *(alpha for _, alpha, *_ in self.updates)]
 
     @property
     def group(self):
@@ -448,8 +450,9 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
                 targets, sources = by_shape.setdefault(shape, ([], []))
                 targets.append(piece)
                 sources.append(dpiece)
-    sharded.updates = [(lr_scale(shape, settings.lr_adjust), *lists)
-                       for shape, lists in by_shape.items()]
+    alphas = torch.empty(len(by_shape), dtype=bank0.accumulate, device=device).unbind(0)
+    sharded.updates = [(lr_scale(shape, settings.lr_adjust), alpha, *lists)
+                       for alpha, (shape, lists) in zip(alphas, by_shape.items(), strict=True)]
 
 
 # ----------------------------------------------------------------------------- the step
@@ -510,9 +513,9 @@ def _return_rows(sharded: Sharded, lr: float | Tensor) -> None:
     """The owned directions' rows (and the updated state's) back to their ranks, and line 13
     on this rank's rows."""
     sharded.back.run(sharded.group)
-    for scale, targets, sources in sharded.updates:
+    for scale, alpha, targets, sources in sharded.updates:
         if isinstance(lr, Tensor):  # capturable: −a·η computed on the device
-            torch._foreach_mul_(sources, torch.mul(lr, -scale))
+            torch._foreach_mul_(sources, torch.mul(lr, -scale, out=alpha))
             torch._foreach_add_(targets, sources)
         else:
             torch._foreach_add_(targets, sources, alpha=-lr * scale)
