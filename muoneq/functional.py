@@ -16,7 +16,8 @@
                                     (written once in the NS dtype, normalized for NS)
       chunk.iteration.iterate(…)    line 12: the chunk's Newton–Schulz backend
       finished(chunk, …)            the method's finish (NorMuon's, Muon+'s, …)
-      update(chunk, …)              line 13
+      update(chunk, …)              line 13 (or, under DDP, the directions into the buffer
+                                    sent to every rank, which applies them after the exchange)
 
 A single matrix is a stack of one: ``muoneq_update`` runs the same ``diag_pre`` and the same
 iterations as the optimizer. The chunks, their buffers and update lists are planned once by
@@ -318,22 +319,28 @@ def step_stacks(chunks: list[Chunk], params: list[Tensor], grads: list[Tensor],
                 momenta: list[Tensor], *, rule: Rule, group: dict, lr: float | Tensor,
                 weight_decay: float | Tensor, beta: float, nesterov: bool, mode: str,
                 eps: float, ns: NSSettings, decay: Tensor | None = None,
-                compiled: dict | None = None) -> None:
+                compiled: dict | None = None, sent: list[Tensor] | None = None) -> None:
     """Algorithm 1 for every matrix of a planned group (the module docstring's outline):
     ``params``, ``grads`` and ``momenta`` of the matrices with a gradient, in the plan's order,
     ``chunks`` their stacks (:mod:`muoneq.optim.plan`). ``compiled``: ``torch.compile``'d
-    prologues and updates by ``(stage, shape)`` (``compile=True``)."""
+    prologues and updates by ``(stage, shape)`` (``compile=True``). ``sent``: the buffers each
+    chunk's directions are copied into instead of line 13, under DDP (``chunks``: those of the
+    matrices this rank owns; :func:`muoneq.optim.distributed.step_exchanged` applies every
+    rank's after the exchange)."""
     decay_weights(params, lr, weight_decay, decay)                  # line 13's (1 − ηλ), first
     torch._foreach_lerp_(momenta, grads, 1 - beta)                  # line 5, every matrix
     stage_banks(chunks, nesterov, beta)
     compiled = compiled or {}
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         X = compiled.get(("prologue", chunk.shape), prologue)(
             chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
             norm_scale=ns.schedule.norm_scale)                      # lines 6–11
         O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)  # line 12
         directions = finished(chunk, O, rule, group)
-        update(chunk, directions, lr, compiled.get(("update", chunk.shape)))  # line 13
+        if sent is None:
+            update(chunk, directions, lr, compiled.get(("update", chunk.shape)))  # line 13
+        else:
+            sent[i].copy_(directions)
 
 
 def decay_weights(params: list[Tensor], lr: float | Tensor, weight_decay: float | Tensor,

@@ -37,7 +37,7 @@ from muoneq.functional import (
     finished,
     lr_scale,
     prologue,
-    stage_banks,
+    step_stacks,
     update,
 )
 from muoneq.newton_schulz import NSSettings, Workspace, ns_flops
@@ -107,29 +107,55 @@ def check_same_gradients(grads: Sequence[Tensor], group) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- exchanges
+@dataclass(eq=False)
+class Trip:
+    """One collective over a process group: the buffer sent and the one received, the copies
+    into the sent buffer before (``packs``: ``(source, view)``) and out of the received one
+    after (``unpacks``: ``(view, target)``). With counts (elements per peer rank, the buffers
+    grouped by peer: ``send_counts``, ``recv_counts``) an ``all_to_all_single``, each peer its
+    part (FSDP2); without, an ``all_gather``, every rank's whole sent buffer to every rank, in
+    rank order (DDP)."""
+
+    send: Tensor
+    received: Tensor
+    packs: list[tuple[Tensor, Tensor]]
+    unpacks: list[tuple[Tensor, Tensor]]
+    send_counts: list[int] | None = None
+    recv_counts: list[int] | None = None
+
+    def run(self, group) -> None:
+        for source, view in self.packs:
+            view.copy_(source)
+        if self.send_counts is None:
+            _all_gather_single(self.received, self.send, group=group)
+        else:
+            dist.all_to_all_single(self.received, self.send, self.recv_counts,
+                                   self.send_counts, group=group)
+        for view, target in self.unpacks:
+            target.copy_(view)
+
+
 # ----------------------------------------------------------------------------- DDP
 @dataclass(eq=False)
 class Split:
-    """DDP's exchange of a group: the rank's owned runs of the plan, the buffer it sends (its
-    directions, in the NS dtype where the method finishes in it: nothing rounds twice, then
-    the updated state of the matrices it owns) and the one it receives (every rank's), per
-    chunk of the group's plan where its directions arrive (``(rows of the chunk's stack,
-    received view)``), and the copies of the owners' state in (``packs``: ``(state rows, send
-    view)``) and out (``unpacks``: ``(received view, state rows)``)."""
+    """DDP's exchange of a group: the rank's owned runs of the plan, its ``all_gather``
+    (:class:`Trip`: the buffer it sends — its directions, in the NS dtype where the method
+    finishes in it: nothing rounds twice, then the updated state of the matrices it owns — and
+    the one it receives, every rank's; the owned state's rows copied in and the others' out),
+    each owned chunk's view of the sent buffer (``wires``), and per chunk of the group's plan
+    where its directions arrive (``(rows of the chunk's stack, received view)``)."""
 
     group: object
-    send: Tensor | None = None
-    received: Tensor | None = None
+    trip: Trip | None = None
     wires: list[Tensor] = field(default_factory=list)
     arrivals: list[list[tuple[slice, Tensor]]] = field(default_factory=list)
-    packs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    unpacks: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     #: owner of each unit (a parameter's blocks of one chunk), in the plan's order
     owners: list[int] = field(default_factory=list)
 
     @property
     def buffers(self) -> list[Tensor]:
-        return [t for t in (self.send, self.received) if t is not None]
+        return [] if self.trip is None else [self.trip.send, self.trip.received]
 
 
 def _units(chunks: list[Chunk]) -> list[tuple[Chunk, Segment, int]]:
@@ -149,11 +175,7 @@ def _owned_segments(chunks: list[Chunk], owners: list[int], rank: int) -> list[l
                     == rank]
             index += segment.hi - segment.lo
             if mine:
-                lo, hi = mine[0], mine[-1] + 1
-                bank = segment.bank
-                segments.append(Segment(bank, segment.split, lo, hi, bank.params[lo:hi],
-                                        bank.momentum[lo:hi],
-                                        {key: t[lo:hi] for key, t in bank.state.items()}))
+                segments.append(Segment.of(segment.bank, segment.split, mine[0], mine[-1] + 1))
         owned.append(segments)
     return owned
 
@@ -196,21 +218,21 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
     width = max(filled)
     device = chunks[0].stack.device
     dtype = settings.wire or settings.ns.dtype
-    split.send = torch.empty(width, dtype=dtype, device=device)
-    split.received = torch.empty(world * width, dtype=dtype, device=device)
+    send = torch.empty(width, dtype=dtype, device=device)
+    received = torch.empty(world * width, dtype=dtype, device=device)
     cursor, split.wires = 0, []
     for chunk in owned:
         size = chunk.count * math.prod(chunk.shape)
-        split.wires.append(split.send[cursor : cursor + size].view(chunk.count, *chunk.shape))
+        split.wires.append(send[cursor : cursor + size].view(chunk.count, *chunk.shape))
         cursor += size
-    split.packs, split.unpacks = [], []
+    packs, unpacks = [], []
     for owner, rows, at in states:
         if owner == rank:
-            split.packs.append((rows, split.send[at : at + rows.numel()].view(rows.shape)))
+            packs.append((rows, send[at : at + rows.numel()].view(rows.shape)))
         else:
             start = owner * width + at
-            split.unpacks.append((split.received[start : start + rows.numel()].view(rows.shape),
-                                  rows))
+            unpacks.append((received[start : start + rows.numel()].view(rows.shape), rows))
+    split.trip = Trip(send, received, packs, unpacks)
     split.arrivals, u = [], 0
     for chunk in chunks:
         runs: list[list[int]] = []  # [first row, last row, start in received, owner]
@@ -226,34 +248,11 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
                     runs.append([row, row + count, start, owner])
                 row, u = row + count, u + 1
         split.arrivals.append([
-            (chunk.stack[first:last], split.received[start : start + (last - first) * size]
+            (chunk.stack[first:last], received[start : start + (last - first) * size]
              .view(last - first, *chunk.shape)) for first, last, start, _ in runs])
 
 
 # ----------------------------------------------------------------------------- FSDP2
-@dataclass(eq=False)
-class Trip:
-    """One ``all_to_all_single``: the buffer sent and the one received, each grouped by peer
-    rank (``send_counts``, ``recv_counts`` elements), the copies into the sent buffer before
-    (``packs``: ``(source, view)``) and out of the received one after (``unpacks``: ``(view,
-    target)``)."""
-
-    send: Tensor
-    received: Tensor
-    send_counts: list[int]
-    recv_counts: list[int]
-    packs: list[tuple[Tensor, Tensor]]
-    unpacks: list[tuple[Tensor, Tensor]]
-
-    def run(self, group) -> None:
-        for source, view in self.packs:
-            view.copy_(source)
-        dist.all_to_all_single(self.received, self.send, self.recv_counts, self.send_counts,
-                               group=group)
-        for view, target in self.unpacks:
-            target.copy_(view)
-
-
 #: Per peer rank, the parts of one side of a :class:`Trip` in order: ``(shape, tensor)``, the
 #: tensor copied in (sent) or out (received); ``None``: the step writes the sent view itself.
 Parts = list[list[tuple[tuple[int, ...], Tensor | None]]]
@@ -275,8 +274,8 @@ def _trip(sent: Parts, received: Parts, dtype: torch.dtype, device: torch.device
 
     send, send_counts, sent_views = carve(sent)
     receive, recv_counts, received_views = carve(received)
-    trip = Trip(send, receive, send_counts, recv_counts,
-                [(t, v) for v, t in sent_views if t is not None], received_views)
+    trip = Trip(send, receive, [(t, v) for v, t in sent_views if t is not None],
+                received_views, send_counts, recv_counts)
     return trip, [v for v, t in sent_views if t is None]
 
 
@@ -463,36 +462,28 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
     """:func:`muoneq.functional.step_stacks` with the matrices shared out between processes
     (``step.exchange``: :class:`Split` or :class:`Sharded`)."""
     compiled = compiled or {}
-    decay_weights(step.weights, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
-    torch._foreach_lerp_(step.momenta, grads, 1 - beta)             # line 5, this rank's rows
     exchange = step.exchange
-    computed = step.exchanged if isinstance(exchange, Split) else step.chunks
-    if isinstance(exchange, Sharded):
-        _send_rows(exchange, nesterov, beta)
-    else:
-        stage_banks(computed, nesterov, beta)
-    for i, chunk in enumerate(computed):
-        X = compiled.get(("prologue", chunk.shape), prologue)(
-            chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
-            norm_scale=ns.schedule.norm_scale)
-        O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)
-        directions = finished(chunk, O, rule, group)
-        if isinstance(exchange, Split):
-            exchange.wires[i].copy_(directions)
-        else:  # an assembled bank's directions go back into its stored layout, for the return
-            update(chunk, directions, 0.0)
-    if isinstance(exchange, Split):
-        for rows, view in exchange.packs:  # the owned matrices' state, for every rank
-            view.copy_(rows)
-        _all_gather_single(exchange.received, exchange.send, group=exchange.group)
-        for view, rows in exchange.unpacks:
-            rows.copy_(view)
+    if isinstance(exchange, Split):  # the owned chunks' directions sent, then applied here
+        step_stacks(step.exchanged, step.weights, grads, step.momenta, rule=rule, group=group,
+                    lr=lr, weight_decay=weight_decay, beta=beta, nesterov=nesterov, mode=mode,
+                    eps=eps, ns=ns, decay=decay, compiled=compiled, sent=exchange.wires)
+        exchange.trip.run(exchange.group)  # the directions and the owned matrices' state
         for chunk, arrivals in zip(step.chunks, exchange.arrivals, strict=True):
             for rows, view in arrivals:
                 rows.copy_(view)
-            update(chunk, chunk.stack, lr, compiled.get(("update", chunk.shape)))
-    else:
-        _return_rows(exchange, lr)
+            update(chunk, chunk.stack, lr, compiled.get(("update", chunk.shape)))  # line 13
+        return
+    decay_weights(step.weights, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
+    torch._foreach_lerp_(step.momenta, grads, 1 - beta)             # line 5, this rank's rows
+    _send_rows(exchange, nesterov, beta)
+    for chunk in step.chunks:
+        X = compiled.get(("prologue", chunk.shape), prologue)(
+            chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
+            norm_scale=ns.schedule.norm_scale)                      # lines 6–11
+        O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)  # line 12
+        # an assembled bank's directions go back into its stored layout, for the return
+        update(chunk, finished(chunk, O, rule, group), 0.0)
+    _return_rows(exchange, lr)
 
 
 def _send_rows(sharded: Sharded, nesterov: bool, beta: float) -> None:

@@ -334,6 +334,13 @@ class Segment:
     gradient_stack: Tensor | None = None
     gradient_copy: tuple[Tensor, Tensor] | None = None
 
+    @classmethod
+    def of(cls, bank: Bank, split: int, lo: int, hi: int) -> Segment:
+        """Parameters ``lo:hi`` of ``bank`` (split ``split`` of their blocks), with their rows
+        of the bank's momentum and state."""
+        return cls(bank, split, lo, hi, bank.params[lo:hi], bank.momentum[lo:hi],
+                   {key: t[lo:hi] for key, t in bank.state.items()})
+
     @property
     def count(self) -> int:
         """Matrices of the segment (parameters × experts)."""
@@ -463,9 +470,7 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
                         chunks.append(chunk_of(current, settings, workspace, rule))
                         current, filled = [], 0
                     end = min(hi, lo + max(1, (per_stack - filled) // count))
-                    current.append(Segment(bank, split, lo, end, bank.params[lo:end],
-                                           bank.momentum[lo:end],
-                                           {key: t[lo:end] for key, t in bank.state.items()}))
+                    current.append(Segment.of(bank, split, lo, end))
                     filled += (end - lo) * count
                     lo = end
         if current:
