@@ -123,10 +123,9 @@ def local(t: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- one matrix
-def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, *,
-                   out: Tensor | None = None) -> Tensor:
+def nesterov_input(grad: Tensor, momentum: Tensor, beta: float) -> Tensor:
     """Line 7: ``M̃ = βM + (1−β)G`` — ``lerp(G, M, β)``, as torch.optim.Muon writes it."""
-    return torch.lerp(grad, momentum, beta, out=out)
+    return torch.lerp(grad, momentum, beta)
 
 
 @dataclass(frozen=True)
@@ -276,18 +275,12 @@ def muoneq_update(
 
 
 def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_decay: float,
-                     scale: float, buffer: Tensor | None = None) -> None:
-    """Line 13: ``X ← (1 − η·λ)·X − a·η·O`` in place (decoupled weight decay, unscaled ``η``).
-
-    ``direction`` is reshaped to ``param``'s shape; one in another dtype is first cast into
-    ``buffer`` when given (adding it directly would allocate that cast: same values).
-    """
+                     scale: float) -> None:
+    """Line 13: ``X ← (1 − η·λ)·X − a·η·O`` in place (decoupled weight decay, unscaled ``η``;
+    ``direction`` reshaped to ``param``'s shape)."""
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    direction = direction.reshape(param.shape)
-    if direction.dtype != param.dtype and buffer is not None:
-        direction = buffer.copy_(direction)
-    param.add_(direction, alpha=-lr * scale)
+    param.add_(direction.reshape(param.shape), alpha=-lr * scale)
 
 
 # ----------------------------------------------------------------------------- a planned group

@@ -293,8 +293,6 @@ class Sharded:
     #: owner rank of each parameter (``id``), and the parameters with a gradient
     owners: dict[int, int]
     present: set[int]
-    #: the method reads whole gradients (they travel with ``M̃``)
-    gradient: bool
     banks: list[Bank] = field(default_factory=list)
     there: Trip | None = None
     back: Trip | None = None
@@ -331,9 +329,10 @@ class Sharded:
         return self.mesh.get_local_rank(self.dim)
 
     @classmethod
-    def of(cls, plan: GroupPlan, present: Sequence[bool], *, gradient: bool) -> Sharded:
+    def of(cls, plan: GroupPlan, present: Sequence[bool], rule: Rule) -> Sharded:
         """The owners of a sharded group's parameters (balanced by FLOPs, over the plan's
-        banks in order) and the whole banks of the runs this rank owns."""
+        banks in order) and the whole banks of the runs this rank owns (with the gradients
+        where ``rule`` reads them)."""
         p0 = plan.params[0]
         dim = row_shard_dim(p0)
         mesh = p0.device_mesh
@@ -342,8 +341,7 @@ class Sharded:
         costs = [sum(ns_flops(b, 5) for b in layouts[id(p)].blocks) for p in ordered]
         owners = balance(costs, mesh.size(dim))
         sharded = cls(plan, mesh, dim, {id(p): o for p, o in zip(ordered, owners, strict=True)},
-                      {id(p) for p, ok in zip(plan.params, present, strict=True) if ok},
-                      gradient)
+                      {id(p) for p, ok in zip(plan.params, present, strict=True) if ok})
         for bank in plan.banks:
             like = {"device": bank.momentum.device}
             for lo, hi in sharded.runs(bank, sharded.rank):
@@ -352,7 +350,7 @@ class Sharded:
                 state = {key: torch.empty((hi - lo, *bank.shapes[key]), dtype=t.dtype, **like)
                          for key, t in bank.state.items()}
                 gradients = (torch.empty((hi - lo, *bank.layout.stored), dtype=bank.accumulate,
-                                         **like) if gradient else None)
+                                         **like) if rule.reads_gradient else None)
                 sharded.banks.append(Bank(bank.params[lo:hi], bank.layout, whole, state,
                                           dict(bank.shapes), gather=whole, assembled=True,
                                           gradient=gradients))
@@ -381,21 +379,22 @@ def plan_exchange(exchange, chunks: list[Chunk], settings: StackSettings,
 
 
 def carve_exchange(exchange, chunks: list[Chunk], owned: list[Chunk],
-                   settings: StackSettings) -> None:
+                   settings: StackSettings, rule: Rule) -> None:
     """The exchange's buffers and the copies in and out of them, once per plan."""
     if isinstance(exchange, Split) and chunks:
         _carve_split(exchange, chunks, owned, settings)
     elif isinstance(exchange, Sharded):
-        _carve_sharded(exchange, settings)
+        _carve_sharded(exchange, settings, rule.reads_gradient)
 
 
-def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
+def _carve_sharded(sharded: Sharded, settings: StackSettings, gradient: bool) -> None:
     """The two trips, grouped by peer rank and within a peer by the runs the owner steps in the
     plan's bank order, the same order on the sending and the owning side: per run ``M̃`` (and
     the gradients) in the accumulation dtype, then each state's rows, ``there``; the
     directions (in the NS dtype where the method finishes in it) and each state's rows,
     ``back``. A state's rows are those of its own first dimension (its ``Shard(0)``); a 0-d
-    state travels whole from every rank and to every rank."""
+    state travels whole from every rank and to every rank. ``gradient``: the method reads whole
+    gradients (:attr:`~muoneq.functional.Rule.reads_gradient`), which travel with ``M̃``."""
     plan, world = sharded.plan, sharded.world
     bank0 = plan.banks[0]
     device, keys = bank0.momentum.device, list(bank0.state)
@@ -407,7 +406,7 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
         for bank, directions in zip(plan.banks, sharded.directions, strict=True):
             for lo, hi in sharded.runs(bank, peer):
                 rows = bank.momentum[lo:hi]
-                there[0][peer] += [(rows.shape, None)] * (2 if sharded.gradient else 1)
+                there[0][peer] += [(rows.shape, None)] * (2 if gradient else 1)
                 back[1][peer].append((rows.shape, directions[lo:hi]))
                 formed.append((bank.params[lo:hi], rows))
                 for key in keys:
@@ -419,7 +418,7 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
             gathered = whole.gather[:, first : first + count]
             there[1][peer].append((gathered.shape, gathered))
             back[0][peer].append((gathered.shape, gathered))
-            if sharded.gradient:
+            if gradient:
                 gradients = whole.gradient[:, first : first + count]
                 there[1][peer].append((gradients.shape, gradients))
             for key in keys:
@@ -433,9 +432,9 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
     sharded.there, views = _trip(*there, promoted(bank0.accumulate, *states), device)
     sharded.back, _ = _trip(*back, promoted(settings.wire or settings.ns.dtype, *states),
                             device)
-    step = 2 if sharded.gradient else 1
+    step = 2 if gradient else 1
     sharded.outgoing = [(params, rows, views[step * i],
-                         views[step * i + 1] if sharded.gradient else None)
+                         views[step * i + 1] if gradient else None)
                         for i, (params, rows) in enumerate(formed)]
     rows_of = {id(bank): d for bank, d in zip(plan.banks, sharded.directions, strict=True)}
     by_shape: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}

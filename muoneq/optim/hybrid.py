@@ -443,7 +443,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                                                       "standard"),
                                          self.ns_backend, device=device),
                              group["lr_adjust"], per_matrix=not self._stacked(device),
-                             wire=self._wire(plan), gradient=self.reads_gradient)
+                             wire=self._wire(plan))
 
     def _wire(self, plan: GroupPlan) -> torch.dtype | None:
         """The dtype directions travel in between ranks: the NS dtype (``None``) where
@@ -480,7 +480,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                                   self._workspace, self)
             for part in (chunks[index], exchanged):
                 carve(part, settings, self._workspace)
-            distributed.carve_exchange(exchange, chunks[index], exchanged, settings)
+            distributed.carve_exchange(exchange, chunks[index], exchanged, settings, self)
             params = [p for p, ok in zip(plan.params, present, strict=True) if ok]
             momenta = [m for m, ok in zip(plan.momenta, present, strict=True) if ok]
             steps[index] = GroupStep(settings, params, [local(p) for p in params], momenta,
@@ -498,7 +498,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         split between the ranks of :meth:`_split_group`; ``None``: this process computes every
         matrix."""
         if plan.sharded:
-            return distributed.Sharded.of(plan, present, gradient=self.reads_gradient)
+            return distributed.Sharded.of(plan, present, self)
         group = self._split_group()
         if group is None:
             return None

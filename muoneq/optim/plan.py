@@ -295,8 +295,6 @@ class StackSettings:
     #: the dtype directions (and a method's state) travel in between ranks (``None``: the NS
     #: dtype)
     wire: torch.dtype | None = None
-    #: the method reads whole gradients (:attr:`~muoneq.functional.Rule.reads_gradient`)
-    gradient: bool = False
 
 
 @dataclass(eq=False)
@@ -501,7 +499,7 @@ def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Worksp
     requests = _requests(count, shape, bank.momentum.dtype, settings, rule, chunk.iteration)
     staged = sum((s.hi - s.lo) * math.prod(s.layout.stored) for s in segments
                  if not (s.layout.plain or s.bank.assembled))
-    if settings.gradient and staged:  # stacked in the stored layout first
+    if rule.reads_gradient and staged:  # stacked in the stored layout first
         requests.append(("gradient_stored", (staged,), bank.momentum.dtype))
     chunk.requests = [(*r, bank.momentum.device) for r in requests]
     for request in chunk.requests:
@@ -522,7 +520,7 @@ def _requests(count: int, shape: tuple[int, int], dtype: torch.dtype, settings: 
     requests += iteration.requests(count, shape, ns)
     requests += diag_pre_requests(count, shape, settings.mode, accumulate, ns)
     requests.append(("step", (1,), accumulate))
-    if settings.gradient:
+    if rule.reads_gradient:
         requests.append(("gradient", (count, *shape), accumulate))
     requests += [(("rule", name), size, t) for name, size, t in rule.requests(count, shape, dtype)]
     return requests
