@@ -303,8 +303,8 @@ class Sharded:
         default_factory=list)
     #: this rank's rows of each local bank's directions, in the parameters' dtype
     directions: list[Tensor] = field(default_factory=list)
-    #: the local update: per block shape ``(a, −a·η as a tensor (for a tensor ``η``,
-    #: ``capturable``), params' pieces, directions' pieces)``
+    #: the local update: per block shape ``(a, alpha, params' pieces, directions' pieces)``,
+    #: ``alpha`` the 0-d buffer of ``−a·η`` for a tensor ``η`` (``capturable``)
     updates: list[tuple[float, Tensor, list[Tensor], list[Tensor]]] = field(
         default_factory=list)
 
