@@ -16,7 +16,8 @@
                                     (written once in the NS dtype, normalized for NS)
       chunk.iteration.iterate(…)    line 12: the chunk's Newton–Schulz backend
       finished(chunk, …)            the method's finish (NorMuon's, Muon+'s, …)
-      update(chunk, …)              line 13
+      update(chunk, …)              line 13 (or, under DDP, the directions into the buffer
+                                    sent to every rank, which applies them after the exchange)
 
 A single matrix is a stack of one: ``muoneq_update`` runs the same ``diag_pre`` and the same
 iterations as the optimizer. The chunks, their buffers and update lists are planned once by
@@ -29,6 +30,7 @@ weights stored otherwise (transposed, expert banks, fused blocks) are cut into t
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -106,11 +108,24 @@ def lr_scale(shape: tuple[int, int], lr_adjust: str) -> float:
     raise ValueError(f"lr_adjust: unknown value {lr_adjust!r}; allowed: {', '.join(LR_ADJUST)}")
 
 
+def is_dtensor(t) -> bool:
+    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (slow to
+    import): no DTensor can exist before that module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local part (its shard, or its copy where
+    it is replicated: the tensor itself, ``to_local()`` would dispatch a view on every call),
+    any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
 # ----------------------------------------------------------------------------- one matrix
-def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, *,
-                   out: Tensor | None = None) -> Tensor:
+def nesterov_input(grad: Tensor, momentum: Tensor, beta: float) -> Tensor:
     """Line 7: ``M̃ = βM + (1−β)G`` — ``lerp(G, M, β)``, as torch.optim.Muon writes it."""
-    return torch.lerp(grad, momentum, beta, out=out)
+    return torch.lerp(grad, momentum, beta)
 
 
 @dataclass(frozen=True)
@@ -260,18 +275,12 @@ def muoneq_update(
 
 
 def update_parameter(param: Tensor, direction: Tensor, *, lr: float, weight_decay: float,
-                     scale: float, buffer: Tensor | None = None) -> None:
-    """Line 13: ``X ← (1 − η·λ)·X − a·η·O`` in place (decoupled weight decay, unscaled ``η``).
-
-    ``direction`` is reshaped to ``param``'s shape; one in another dtype is first cast into
-    ``buffer`` when given (adding it directly would allocate that cast: same values).
-    """
+                     scale: float) -> None:
+    """Line 13: ``X ← (1 − η·λ)·X − a·η·O`` in place (decoupled weight decay, unscaled ``η``;
+    ``direction`` reshaped to ``param``'s shape)."""
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    direction = direction.reshape(param.shape)
-    if direction.dtype != param.dtype and buffer is not None:
-        direction = buffer.copy_(direction)
-    param.add_(direction, alpha=-lr * scale)
+    param.add_(direction.reshape(param.shape), alpha=-lr * scale)
 
 
 # ----------------------------------------------------------------------------- a planned group
@@ -303,22 +312,28 @@ def step_stacks(chunks: list[Chunk], params: list[Tensor], grads: list[Tensor],
                 momenta: list[Tensor], *, rule: Rule, group: dict, lr: float | Tensor,
                 weight_decay: float | Tensor, beta: float, nesterov: bool, mode: str,
                 eps: float, ns: NSSettings, decay: Tensor | None = None,
-                compiled: dict | None = None) -> None:
+                compiled: dict | None = None, sent: list[Tensor] | None = None) -> None:
     """Algorithm 1 for every matrix of a planned group (the module docstring's outline):
     ``params``, ``grads`` and ``momenta`` of the matrices with a gradient, in the plan's order,
     ``chunks`` their stacks (:mod:`muoneq.optim.plan`). ``compiled``: ``torch.compile``'d
-    prologues and updates by ``(stage, shape)`` (``compile=True``)."""
+    prologues and updates by ``(stage, shape)`` (``compile=True``). ``sent``: the buffers each
+    chunk's directions are copied into instead of line 13, under DDP (``chunks``: those of the
+    matrices this rank owns; :func:`muoneq.optim.distributed.step_exchanged` applies every
+    rank's after the exchange)."""
     decay_weights(params, lr, weight_decay, decay)                  # line 13's (1 − ηλ), first
     torch._foreach_lerp_(momenta, grads, 1 - beta)                  # line 5, every matrix
     stage_banks(chunks, nesterov, beta)
     compiled = compiled or {}
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         X = compiled.get(("prologue", chunk.shape), prologue)(
             chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
             norm_scale=ns.schedule.norm_scale)                      # lines 6–11
         O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)  # line 12
         directions = finished(chunk, O, rule, group)
-        update(chunk, directions, lr, compiled.get(("update", chunk.shape)))  # line 13
+        if sent is None:
+            update(chunk, directions, lr, compiled.get(("update", chunk.shape)))  # line 13
+        else:
+            sent[i].copy_(directions)
 
 
 def decay_weights(params: list[Tensor], lr: float | Tensor, weight_decay: float | Tensor,
@@ -341,7 +356,7 @@ def stage_banks(chunks: list[Chunk], nesterov: bool, beta: float) -> None:
         return
     for chunk in chunks:
         for params, gather, momentum in chunk.stages:  # the runs with a gradient
-            torch.stack([p.grad for p in params], out=gather)
+            torch.stack([local(p.grad) for p in params], out=gather)
             gather.lerp_(momentum, beta)
 
 
@@ -353,12 +368,12 @@ def prologue(chunk: Chunk, rule: Rule, group: dict, *, nesterov: bool, beta: flo
     (``chunk.ns_input``)."""
     for segment in chunk.segments:
         if segment.gather is not None and nesterov:  # M̃ formed in the stack itself
-            torch.stack([p.grad for p in segment.params], out=segment.gather)
+            torch.stack([local(p.grad) for p in segment.params], out=segment.gather)
             segment.gather.lerp_(segment.momentum, beta)
         elif segment.source is not None:
             segment.stack.copy_(segment.source)
         if segment.gradient_stack is not None:
-            torch.stack([p.grad for p in segment.params], out=segment.gradient_stack)
+            torch.stack([local(p.grad) for p in segment.params], out=segment.gradient_stack)
         if segment.gradient_copy is not None:
             segment.gradient_copy[0].copy_(segment.gradient_copy[1])
     source, whole = chunk.source, len(chunk.segments) == 1

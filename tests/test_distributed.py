@@ -194,6 +194,7 @@ def ddp_worker(rank: int, world: int) -> dict:
 def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
     """One pair of processes for every layout (process start-up dominates these tests)."""
     return {"ddp": ddp_worker(rank, world), "fsdp": fsdp_worker(rank, world),
+            "replicated": replicated_worker(rank, world),
             "layouts": layouts_worker(rank, world), "budgets": budgets_worker(rank, world)}
 
 
@@ -201,6 +202,8 @@ def ddp_and_fsdp_worker(rank: int, world: int) -> dict:
 BUDGET_SHAPES = [(12, 8)] * 3 + [(8, 20)] * 3
 #: Every matrix method, as the registry builds it.
 BUDGET_METHODS = ("muoneq", "muon", "muon_plus", "normuon", "adamuon", "mousse")
+#: The methods that take ``capturable=True`` (a tensor ``lr`` read on the device).
+CAPTURABLE_METHODS = ("muoneq", "muon")
 
 
 def budgets_worker(rank: int, world: int) -> dict:
@@ -217,8 +220,10 @@ def budgets_worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     runs = [("stacked", 2), ("stacked", 6), ("per_matrix", 2)]
-    for path, method, (batching, copies) in itertools.product(("ddp", "fsdp"), BUDGET_METHODS,
-                                                              runs):
+    capturable = [(method, "stacked", 2, True) for method in CAPTURABLE_METHODS]
+    for path, (method, batching, copies, tensor_lr) in itertools.product(
+            ("ddp", "fsdp"), [*((m, *run, False) for m in BUDGET_METHODS for run in runs),
+                              *capturable]):
         gen = torch.Generator().manual_seed(0)
         values = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
         grads = [torch.randn(s, generator=gen) for s in BUDGET_SHAPES * copies]
@@ -227,13 +232,16 @@ def budgets_worker(rank: int, world: int) -> dict:
         params = [nn.Parameter(place(v)) for v in values]
         for p, g in zip(params, grads, strict=True):
             p.grad = place(g)
-        opt = build_optimizer(method, [{"params": params}], lr=0.02, ns_dtype="float32",
-                              batching=batching, workspace_limit=None,
+        lr = {"lr": torch.tensor(0.02), "capturable": True} if tensor_lr else {"lr": 0.02}
+        opt = build_optimizer(method, [{"params": params}], ns_dtype="float32",
+                              batching=batching, workspace_limit=None, **lr,
                               **METHOD_OPTIONS.get(method, {}))
         opt.step()
         seen, refreshing = dispatched(opt.step), dispatched(opt.step)
-        results[(path, method, batching, copies)] = (dict(seen.ops),
-                                                     seen.allocated + refreshing.allocated)
+        key = (path, method, batching, copies, *(("capturable",) if tensor_lr else ()))
+        results[key] = (dict(seen.ops), seen.allocated + refreshing.allocated)
+        results[(*key, "weights")] = [
+            (p.full_tensor() if path == "fsdp" else p).detach().clone() for p in params]
     return results
 
 
@@ -332,10 +340,109 @@ def test_a_distributed_step_keeps_its_budget_and_allocates_nothing(spawned, path
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("method", CAPTURABLE_METHODS)
+@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+def test_a_capturable_distributed_step_allocates_nothing_and_equals_the_float_lr_step(
+        spawned, path, method):
+    """A tensor ``lr`` (``capturable=True``): ``−a·η`` computed on the device into buffers of the
+    plan, nothing allocated after the first step, within the float step's budget plus line
+    13's ``1 − η·λ`` on the device (3 operations) and, per shape, ``−a·η`` and its product with
+    the directions; and the weights of the same steps with ``lr`` a float."""
+    extra = 3 + 2 * len(set(BUDGET_SHAPES))
+    for r in range(WORLD):
+        ops, allocated = spawned[r]["budgets"][(path, method, "stacked", 2, "capturable")]
+        assert allocated == []
+        assert sum(ops.values()) <= DISTRIBUTED_BUDGETS[path][method] + extra, ops
+        got = spawned[r]["budgets"][(path, method, "stacked", 2, "capturable", "weights")]
+        want = spawned[r]["budgets"][(path, method, "stacked", 2, "weights")]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_split_refuses_ranks_with_different_gradients(ddp_results):
     for r in range(WORLD):
         assert "gradients differ across ranks" in ddp_results[r]["mismatch"]
         assert "distributed=False" in ddp_results[r]["mismatch"]
+
+
+# ----------------------------------------------------------------------------- replicated DTensors
+#: (optimizer, distributed=) of a model whose parameters are replicated ``DTensor``\ s (a
+#: tensor-parallel model's replicated parameters): split as DDP's or not, per matrix and stacked,
+#: and a method with state of its own that reads the gradients
+REPLICATED_CASES = [("R", "auto"), ("R", False), ("RC/stacked", "auto"),
+                    ("mousse/stacked", "auto")]
+
+
+def replicated_worker(rank: int, world: int) -> dict:
+    """Every parameter ``distribute_tensor(w, mesh, [Replicate()])`` (``distribute_module``'s
+    default), the inputs replicated alike: every rank computes the same gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def replicated(x):
+        return DTensor.from_local(x, mesh, [Replicate()])
+
+    results = {}
+    for kind, split in REPLICATED_CASES:
+        model = make_model()
+        distribute_module(model, mesh, input_fn=lambda _, inputs, __: tuple(
+            replicated(x) for x in inputs))
+        opt = build(kind, model, distributed=split)
+        for t in range(STEPS):
+            x, y = batch(t)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), replicated(y)).backward()
+            opt.step()
+        results[(kind, split)] = [p.full_tensor().detach().clone() for p in model.parameters()]
+        results[(kind, split, "state")] = matrix_state(model, opt)
+        results[(kind, split, "replicated")] = [
+            isinstance(t, DTensor) and t.placements == (Replicate(),)
+            for p in model.parameters() if p.ndim >= 2 for t in opt.state[p].values()]
+    mixed = [nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [placement]))
+             for placement in (Shard(0), Replicate())]
+    try:
+        MuonEq(mixed)
+        results["mixed"] = "no error"
+    except ValueError as err:
+        results["mixed"] = str(err)
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, split", REPLICATED_CASES)
+def test_replicated_dtensor_parameters_step_as_plain_tensors(spawned, kind, split):
+    """The weights and the state as one process's plain-tensor run ends, bit for bit (the ranks
+    compute the same gradients; owners step contiguous runs of the same plan), the state a
+    replicated ``DTensor`` as its parameter (what distributed checkpoints save)."""
+    want, want_state = single_process(kind, with_state=True)
+    for r in range(WORLD):
+        got = spawned[r]["replicated"]
+        for a, b in zip(got[(kind, split)], want, strict=True):
+            assert torch.equal(a, b)
+        for state, expected in zip(got[(kind, split, "state")], want_state, strict=True):
+            assert state.keys() == expected.keys()
+            for key in expected:
+                assert torch.equal(state[key], expected[key]), key
+        assert all(got[(kind, split, "replicated")])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_group_mixing_row_shards_and_replicated_dtensors_is_refused(spawned):
+    for r in range(WORLD):
+        assert spawned[r]["replicated"]["mixed"].startswith(
+            "params: a matrix group mixes row-sharded DTensor parameters")
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -468,6 +575,8 @@ def test_fsdp2_distributed_checkpoint_round_trip(fsdp_results, kind):
 LAYOUT_CASES = [c for c in CASES if c.id in ("gqa_qkv", "conv1d_qkv", "experts_transposed",
                                              "experts_gate_up", "conv_transpose")]
 LAYOUT_BATCHING = ("per_matrix", "stacked")
+#: how the ranks hold the parameter: whole tensors, row shards, replicated DTensors
+LAYOUT_PATHS = ("ddp", "fsdp", "replicated")
 
 
 def layout_optimizer(groups, batching: str):
@@ -487,11 +596,12 @@ def method_optimizer(groups, method: str):
 
 
 def layouts_worker(rank: int, world: int) -> dict:
-    """Each case under the DDP split (the same gradients on every rank, as DDP leaves them)
-    and as FSDP2 row shards (``Shard(0)`` DTensors), per matrix and stacked; and the method
-    cases. One parameter: one rank owns it, the other steps nothing."""
+    """Each case under the DDP split (the same gradients on every rank, as DDP leaves them),
+    as FSDP2 row shards (``Shard(0)`` DTensors) and as replicated DTensors (split as DDP's),
+    per matrix and stacked; and the method cases. One parameter: one rank owns it, the other
+    steps nothing."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     runs = [*((case, functools.partial(layout_optimizer, batching=batching), batching)
@@ -499,9 +609,10 @@ def layouts_worker(rank: int, world: int) -> dict:
             *((case, functools.partial(method_optimizer, method=method), method)
               for case in METHOD_LAYOUT_CASES for method in METHOD_LAYOUT_METHODS)]
     results = {}
-    for (case, make, name), path in itertools.product(runs, ("ddp", "fsdp")):
+    placements = {"fsdp": [Shard(0)], "replicated": [Replicate()]}
+    for (case, make, name), path in itertools.product(runs, LAYOUT_PATHS):
         def place(t, path=path):
-            return t if path == "ddp" else distribute_tensor(t, mesh, [Shard(0)])
+            return t if path == "ddp" else distribute_tensor(t, mesh, placements[path])
 
         p = nn.Parameter(place(case.stored(initial_blocks(case))))
         opt = make([{"params": [p], **case.keys}])
@@ -517,7 +628,7 @@ def layouts_worker(rank: int, world: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=[c.id for c in LAYOUT_CASES])
 @pytest.mark.parametrize("batching", LAYOUT_BATCHING)
-@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+@pytest.mark.parametrize("path", LAYOUT_PATHS)
 def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, batching, path):
     with one_thread():
         want = run_separate(case, lambda groups: layout_optimizer(groups, batching))
@@ -530,7 +641,7 @@ def test_stored_layouts_match_separate_matrices_on_one_process(spawned, case, ba
 @pytest.mark.slow
 @pytest.mark.parametrize("case", METHOD_LAYOUT_CASES, ids=[c.id for c in METHOD_LAYOUT_CASES])
 @pytest.mark.parametrize("method", METHOD_LAYOUT_METHODS)
-@pytest.mark.parametrize("path", ["ddp", "fsdp"])
+@pytest.mark.parametrize("path", LAYOUT_PATHS)
 def test_methods_on_transposed_layouts_match_one_process(spawned, case, method, path):
     with one_thread():
         want = run_separate(case, functools.partial(method_optimizer, method=method))

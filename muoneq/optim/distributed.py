@@ -37,7 +37,7 @@ from muoneq.functional import (
     finished,
     lr_scale,
     prologue,
-    stage_banks,
+    step_stacks,
     update,
 )
 from muoneq.newton_schulz import NSSettings, Workspace, ns_flops
@@ -46,12 +46,13 @@ from muoneq.optim.plan import (
     Chunk,
     GroupPlan,
     GroupStep,
+    OwnRows,
     Segment,
     StackSettings,
     chunk_of,
-    is_dtensor,
     local,
     promoted,
+    row_shard_dim,
     runs_of,
     shard_rows,
 )
@@ -74,34 +75,16 @@ def balance(costs: Sequence[float], world: int) -> list[int]:
     return owners
 
 
-def row_shard_dim(p: Tensor) -> int | None:
-    """The mesh dimension along which ``p`` is sharded by rows, ``None`` if it is not.
-
-    Plain tensors and fully replicated ``DTensor``s give ``None``; ``Shard(0)`` on one mesh
-    dimension with ``Replicate`` on the others (FSDP2, HSDP) gives that dimension; any other
-    layout (column or tensor-parallel shards) is rejected with an error naming it.
-    """
-    if not is_dtensor(p):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements = p.placements
-    sharded = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
-    if not sharded:
-        return None
-    if len(sharded) == 1 and placements[sharded[0]] == Shard(0):
-        return sharded[0]
-    raise NotImplementedError(
-        f"a DTensor parameter of shape {tuple(p.shape)} has placements {placements}; "
-        "orthogonalized updates support replicated tensors and row shards (Shard(0) on one "
-        "mesh dimension, as FSDP2's fully_shard makes them), not column or tensor-parallel "
-        "shards"
-    )
-
-
-def check_layout(p: Tensor) -> None:
-    """Refuse a parameter laid out in a way no exchange here handles (:func:`row_shard_dim`)."""
-    row_shard_dim(p)
+def check_layouts(params: Sequence[Tensor]) -> None:
+    """Refuse parameters laid out in a way no exchange here handles (:func:`row_shard_dim`),
+    and a group that mixes row-sharded ``DTensor`` parameters with others (FSDP2 gathers the
+    rows of every matrix of a group)."""
+    sharded = [row_shard_dim(p) is not None for p in params]
+    if any(sharded) and not all(sharded):
+        raise ValueError(
+            "params: a matrix group mixes row-sharded DTensor parameters (FSDP2's) with "
+            "replicated or plain ones; put each kind in a param group of its own"
+        )
 
 
 def check_same_gradients(grads: Sequence[Tensor], group) -> None:
@@ -124,29 +107,55 @@ def check_same_gradients(grads: Sequence[Tensor], group) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- exchanges
+@dataclass(eq=False)
+class Trip:
+    """One collective over a process group: the buffer sent and the one received, the copies
+    into the sent buffer before (``packs``: ``(source, view)``) and out of the received one
+    after (``unpacks``: ``(view, target)``). With counts (elements per peer rank, the buffers
+    grouped by peer: ``send_counts``, ``recv_counts``) an ``all_to_all_single``, each peer its
+    part (FSDP2); without, an ``all_gather``, every rank's whole sent buffer to every rank, in
+    rank order (DDP)."""
+
+    send: Tensor
+    received: Tensor
+    packs: list[tuple[Tensor, Tensor]]
+    unpacks: list[tuple[Tensor, Tensor]]
+    send_counts: list[int] | None = None
+    recv_counts: list[int] | None = None
+
+    def run(self, group) -> None:
+        for source, view in self.packs:
+            view.copy_(source)
+        if self.send_counts is None:
+            _all_gather_single(self.received, self.send, group=group)
+        else:
+            dist.all_to_all_single(self.received, self.send, self.recv_counts,
+                                   self.send_counts, group=group)
+        for view, target in self.unpacks:
+            target.copy_(view)
+
+
 # ----------------------------------------------------------------------------- DDP
 @dataclass(eq=False)
 class Split:
-    """DDP's exchange of a group: the rank's owned runs of the plan, the buffer it sends (its
-    directions, in the NS dtype where the method finishes in it: nothing rounds twice, then
-    the updated state of the matrices it owns) and the one it receives (every rank's), per
-    chunk of the group's plan where its directions arrive (``(rows of the chunk's stack,
-    received view)``), and the copies of the owners' state in (``packs``: ``(state rows, send
-    view)``) and out (``unpacks``: ``(received view, state rows)``)."""
+    """DDP's exchange of a group: the rank's owned runs of the plan, its ``all_gather``
+    (:class:`Trip`: the buffer it sends — its directions, in the NS dtype where the method
+    finishes in it: nothing rounds twice, then the updated state of the matrices it owns — and
+    the one it receives, every rank's; the owned state's rows copied in and the others' out),
+    each owned chunk's view of the sent buffer (``wires``), and per chunk of the group's plan
+    where its directions arrive (``(rows of the chunk's stack, received view)``)."""
 
     group: object
-    send: Tensor | None = None
-    received: Tensor | None = None
+    trip: Trip | None = None
     wires: list[Tensor] = field(default_factory=list)
     arrivals: list[list[tuple[slice, Tensor]]] = field(default_factory=list)
-    packs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    unpacks: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     #: owner of each unit (a parameter's blocks of one chunk), in the plan's order
     owners: list[int] = field(default_factory=list)
 
     @property
     def buffers(self) -> list[Tensor]:
-        return [t for t in (self.send, self.received) if t is not None]
+        return [] if self.trip is None else [self.trip.send, self.trip.received]
 
 
 def _units(chunks: list[Chunk]) -> list[tuple[Chunk, Segment, int]]:
@@ -166,11 +175,7 @@ def _owned_segments(chunks: list[Chunk], owners: list[int], rank: int) -> list[l
                     == rank]
             index += segment.hi - segment.lo
             if mine:
-                lo, hi = mine[0], mine[-1] + 1
-                bank = segment.bank
-                segments.append(Segment(bank, segment.split, lo, hi, bank.params[lo:hi],
-                                        bank.momentum[lo:hi],
-                                        {key: t[lo:hi] for key, t in bank.state.items()}))
+                segments.append(Segment.of(segment.bank, segment.split, mine[0], mine[-1] + 1))
         owned.append(segments)
     return owned
 
@@ -213,21 +218,21 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
     width = max(filled)
     device = chunks[0].stack.device
     dtype = settings.wire or settings.ns.dtype
-    split.send = torch.empty(width, dtype=dtype, device=device)
-    split.received = torch.empty(world * width, dtype=dtype, device=device)
+    send = torch.empty(width, dtype=dtype, device=device)
+    received = torch.empty(world * width, dtype=dtype, device=device)
     cursor, split.wires = 0, []
     for chunk in owned:
         size = chunk.count * math.prod(chunk.shape)
-        split.wires.append(split.send[cursor : cursor + size].view(chunk.count, *chunk.shape))
+        split.wires.append(send[cursor : cursor + size].view(chunk.count, *chunk.shape))
         cursor += size
-    split.packs, split.unpacks = [], []
+    packs, unpacks = [], []
     for owner, rows, at in states:
         if owner == rank:
-            split.packs.append((rows, split.send[at : at + rows.numel()].view(rows.shape)))
+            packs.append((rows, send[at : at + rows.numel()].view(rows.shape)))
         else:
             start = owner * width + at
-            split.unpacks.append((split.received[start : start + rows.numel()].view(rows.shape),
-                                  rows))
+            unpacks.append((received[start : start + rows.numel()].view(rows.shape), rows))
+    split.trip = Trip(send, received, packs, unpacks)
     split.arrivals, u = [], 0
     for chunk in chunks:
         runs: list[list[int]] = []  # [first row, last row, start in received, owner]
@@ -243,34 +248,11 @@ def _carve_split(split: Split, chunks: list[Chunk], owned: list[Chunk],
                     runs.append([row, row + count, start, owner])
                 row, u = row + count, u + 1
         split.arrivals.append([
-            (chunk.stack[first:last], split.received[start : start + (last - first) * size]
+            (chunk.stack[first:last], received[start : start + (last - first) * size]
              .view(last - first, *chunk.shape)) for first, last, start, _ in runs])
 
 
 # ----------------------------------------------------------------------------- FSDP2
-@dataclass(eq=False)
-class Trip:
-    """One ``all_to_all_single``: the buffer sent and the one received, each grouped by peer
-    rank (``send_counts``, ``recv_counts`` elements), the copies into the sent buffer before
-    (``packs``: ``(source, view)``) and out of the received one after (``unpacks``: ``(view,
-    target)``)."""
-
-    send: Tensor
-    received: Tensor
-    send_counts: list[int]
-    recv_counts: list[int]
-    packs: list[tuple[Tensor, Tensor]]
-    unpacks: list[tuple[Tensor, Tensor]]
-
-    def run(self, group) -> None:
-        for source, view in self.packs:
-            view.copy_(source)
-        dist.all_to_all_single(self.received, self.send, self.recv_counts, self.send_counts,
-                               group=group)
-        for view, target in self.unpacks:
-            target.copy_(view)
-
-
 #: Per peer rank, the parts of one side of a :class:`Trip` in order: ``(shape, tensor)``, the
 #: tensor copied in (sent) or out (received); ``None``: the step writes the sent view itself.
 Parts = list[list[tuple[tuple[int, ...], Tensor | None]]]
@@ -292,8 +274,8 @@ def _trip(sent: Parts, received: Parts, dtype: torch.dtype, device: torch.device
 
     send, send_counts, sent_views = carve(sent)
     receive, recv_counts, received_views = carve(received)
-    trip = Trip(send, receive, send_counts, recv_counts,
-                [(t, v) for v, t in sent_views if t is not None], received_views)
+    trip = Trip(send, receive, [(t, v) for v, t in sent_views if t is not None],
+                received_views, send_counts, recv_counts)
     return trip, [v for v, t in sent_views if t is None]
 
 
@@ -311,8 +293,6 @@ class Sharded:
     #: owner rank of each parameter (``id``), and the parameters with a gradient
     owners: dict[int, int]
     present: set[int]
-    #: the method reads whole gradients (they travel with ``M̃``)
-    gradient: bool
     banks: list[Bank] = field(default_factory=list)
     there: Trip | None = None
     back: Trip | None = None
@@ -323,8 +303,10 @@ class Sharded:
         default_factory=list)
     #: this rank's rows of each local bank's directions, in the parameters' dtype
     directions: list[Tensor] = field(default_factory=list)
-    #: the local update: per block shape ``(a, params' pieces, directions' pieces)``
-    updates: list[tuple[float, list[Tensor], list[Tensor]]] = field(default_factory=list)
+    #: the local update: per block shape ``(a, alpha, params' pieces, directions' pieces)``,
+    #: ``alpha`` the 0-d buffer of ``−a·η`` for a tensor ``η`` (``capturable``)
+    updates: list[tuple[float, Tensor, list[Tensor], list[Tensor]]] = field(
+        default_factory=list)
 
     @property
     def buffers(self) -> list[Tensor]:
@@ -332,7 +314,7 @@ class Sharded:
                  for t in (trip.send, trip.received)]
         assembled = [t for bank in self.banks
                      for t in (*bank.state.values(), bank.gradient) if t is not None]
-        return [*trips, *assembled, *self.directions]
+        return [*trips, *assembled, *self.directions, *(alpha for _, alpha, *_ in self.updates)]
 
     @property
     def group(self):
@@ -347,9 +329,10 @@ class Sharded:
         return self.mesh.get_local_rank(self.dim)
 
     @classmethod
-    def of(cls, plan: GroupPlan, present: Sequence[bool], *, gradient: bool) -> Sharded:
+    def of(cls, plan: GroupPlan, present: Sequence[bool], rule: Rule) -> Sharded:
         """The owners of a sharded group's parameters (balanced by FLOPs, over the plan's
-        banks in order) and the whole banks of the runs this rank owns."""
+        banks in order) and the whole banks of the runs this rank owns (with the gradients
+        where ``rule`` reads them)."""
         p0 = plan.params[0]
         dim = row_shard_dim(p0)
         mesh = p0.device_mesh
@@ -358,8 +341,7 @@ class Sharded:
         costs = [sum(ns_flops(b, 5) for b in layouts[id(p)].blocks) for p in ordered]
         owners = balance(costs, mesh.size(dim))
         sharded = cls(plan, mesh, dim, {id(p): o for p, o in zip(ordered, owners, strict=True)},
-                      {id(p) for p, ok in zip(plan.params, present, strict=True) if ok},
-                      gradient)
+                      {id(p) for p, ok in zip(plan.params, present, strict=True) if ok})
         for bank in plan.banks:
             like = {"device": bank.momentum.device}
             for lo, hi in sharded.runs(bank, sharded.rank):
@@ -368,7 +350,7 @@ class Sharded:
                 state = {key: torch.empty((hi - lo, *bank.shapes[key]), dtype=t.dtype, **like)
                          for key, t in bank.state.items()}
                 gradients = (torch.empty((hi - lo, *bank.layout.stored), dtype=bank.accumulate,
-                                         **like) if gradient else None)
+                                         **like) if rule.reads_gradient else None)
                 sharded.banks.append(Bank(bank.params[lo:hi], bank.layout, whole, state,
                                           dict(bank.shapes), gather=whole, assembled=True,
                                           gradient=gradients))
@@ -397,21 +379,22 @@ def plan_exchange(exchange, chunks: list[Chunk], settings: StackSettings,
 
 
 def carve_exchange(exchange, chunks: list[Chunk], owned: list[Chunk],
-                   settings: StackSettings) -> None:
+                   settings: StackSettings, rule: Rule) -> None:
     """The exchange's buffers and the copies in and out of them, once per plan."""
     if isinstance(exchange, Split) and chunks:
         _carve_split(exchange, chunks, owned, settings)
     elif isinstance(exchange, Sharded):
-        _carve_sharded(exchange, settings)
+        _carve_sharded(exchange, settings, rule.reads_gradient)
 
 
-def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
+def _carve_sharded(sharded: Sharded, settings: StackSettings, gradient: bool) -> None:
     """The two trips, grouped by peer rank and within a peer by the runs the owner steps in the
     plan's bank order, the same order on the sending and the owning side: per run ``M̃`` (and
     the gradients) in the accumulation dtype, then each state's rows, ``there``; the
     directions (in the NS dtype where the method finishes in it) and each state's rows,
     ``back``. A state's rows are those of its own first dimension (its ``Shard(0)``); a 0-d
-    state travels whole from every rank and to every rank."""
+    state travels whole from every rank and to every rank. ``gradient``: the method reads whole
+    gradients (:attr:`~muoneq.functional.Rule.reads_gradient`), which travel with ``M̃``."""
     plan, world = sharded.plan, sharded.world
     bank0 = plan.banks[0]
     device, keys = bank0.momentum.device, list(bank0.state)
@@ -423,7 +406,7 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
         for bank, directions in zip(plan.banks, sharded.directions, strict=True):
             for lo, hi in sharded.runs(bank, peer):
                 rows = bank.momentum[lo:hi]
-                there[0][peer] += [(rows.shape, None)] * (2 if sharded.gradient else 1)
+                there[0][peer] += [(rows.shape, None)] * (2 if gradient else 1)
                 back[1][peer].append((rows.shape, directions[lo:hi]))
                 formed.append((bank.params[lo:hi], rows))
                 for key in keys:
@@ -435,7 +418,7 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
             gathered = whole.gather[:, first : first + count]
             there[1][peer].append((gathered.shape, gathered))
             back[0][peer].append((gathered.shape, gathered))
-            if sharded.gradient:
+            if gradient:
                 gradients = whole.gradient[:, first : first + count]
                 there[1][peer].append((gradients.shape, gradients))
             for key in keys:
@@ -449,14 +432,14 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
     sharded.there, views = _trip(*there, promoted(bank0.accumulate, *states), device)
     sharded.back, _ = _trip(*back, promoted(settings.wire or settings.ns.dtype, *states),
                             device)
-    step = 2 if sharded.gradient else 1
+    step = 2 if gradient else 1
     sharded.outgoing = [(params, rows, views[step * i],
-                         views[step * i + 1] if sharded.gradient else None)
+                         views[step * i + 1] if gradient else None)
                         for i, (params, rows) in enumerate(formed)]
     rows_of = {id(bank): d for bank, d in zip(plan.banks, sharded.directions, strict=True)}
     by_shape: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
     for bank in plan.banks:
-        start = row_offset(bank.params[0])
+        start = OwnRows.of(bank.params[0], bank.params[0].shape).start
         for p, d in zip(bank.params, rows_of[id(bank)].unbind(0), strict=True):
             if id(p) not in sharded.present:
                 continue
@@ -465,17 +448,9 @@ def _carve_sharded(sharded: Sharded, settings: StackSettings) -> None:
                 targets, sources = by_shape.setdefault(shape, ([], []))
                 targets.append(piece)
                 sources.append(dpiece)
-    sharded.updates = [(lr_scale(shape, settings.lr_adjust), *lists)
-                       for shape, lists in by_shape.items()]
-
-
-def row_offset(p: Tensor) -> int:
-    """The first stored row of ``p`` this rank holds: 0 unless ``p`` is row-sharded."""
-    dim = row_shard_dim(p)
-    if dim is None:
-        return 0
-    mesh = p.device_mesh
-    return shard_rows(p.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)][0]
+    alphas = torch.empty(len(by_shape), dtype=bank0.accumulate, device=device).unbind(0)
+    sharded.updates = [(lr_scale(shape, settings.lr_adjust), alpha, *lists)
+                       for alpha, (shape, lists) in zip(alphas, by_shape.items(), strict=True)]
 
 
 # ----------------------------------------------------------------------------- the step
@@ -486,37 +461,28 @@ def step_exchanged(step: GroupStep, grads: list[Tensor], *, rule: Rule, group: d
     """:func:`muoneq.functional.step_stacks` with the matrices shared out between processes
     (``step.exchange``: :class:`Split` or :class:`Sharded`)."""
     compiled = compiled or {}
-    local_params = [local(p) for p in step.params]
-    decay_weights(local_params, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
-    torch._foreach_lerp_(step.momenta, grads, 1 - beta)             # line 5, this rank's rows
     exchange = step.exchange
-    computed = step.exchanged if isinstance(exchange, Split) else step.chunks
-    if isinstance(exchange, Sharded):
-        _send_rows(exchange, nesterov, beta)
-    else:
-        stage_banks(computed, nesterov, beta)
-    for i, chunk in enumerate(computed):
-        X = compiled.get(("prologue", chunk.shape), prologue)(
-            chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
-            norm_scale=ns.schedule.norm_scale)
-        O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)
-        directions = finished(chunk, O, rule, group)
-        if isinstance(exchange, Split):
-            exchange.wires[i].copy_(directions)
-        else:  # an assembled bank's directions go back into its stored layout, for the return
-            update(chunk, directions, 0.0)
-    if isinstance(exchange, Split):
-        for rows, view in exchange.packs:  # the owned matrices' state, for every rank
-            view.copy_(rows)
-        _all_gather_single(exchange.received, exchange.send, group=exchange.group)
-        for view, rows in exchange.unpacks:
-            rows.copy_(view)
+    if isinstance(exchange, Split):  # the owned chunks' directions sent, then applied here
+        step_stacks(step.exchanged, step.weights, grads, step.momenta, rule=rule, group=group,
+                    lr=lr, weight_decay=weight_decay, beta=beta, nesterov=nesterov, mode=mode,
+                    eps=eps, ns=ns, decay=decay, compiled=compiled, sent=exchange.wires)
+        exchange.trip.run(exchange.group)  # the directions and the owned matrices' state
         for chunk, arrivals in zip(step.chunks, exchange.arrivals, strict=True):
             for rows, view in arrivals:
                 rows.copy_(view)
-            update(chunk, chunk.stack, lr, compiled.get(("update", chunk.shape)))
-    else:
-        _return_rows(exchange, lr)
+            update(chunk, chunk.stack, lr, compiled.get(("update", chunk.shape)))  # line 13
+        return
+    decay_weights(step.weights, lr, weight_decay, decay)            # line 13's (1 − ηλ), first
+    torch._foreach_lerp_(step.momenta, grads, 1 - beta)             # line 5, this rank's rows
+    _send_rows(exchange, nesterov, beta)
+    for chunk in step.chunks:
+        X = compiled.get(("prologue", chunk.shape), prologue)(
+            chunk, rule, group, nesterov=nesterov, beta=beta, eps=eps, mode=mode,
+            norm_scale=ns.schedule.norm_scale)                      # lines 6–11
+        O = chunk.iteration.iterate(X, ns.schedule.coefficients, chunk.ns_buffers)  # line 12
+        # an assembled bank's directions go back into its stored layout, for the return
+        update(chunk, finished(chunk, O, rule, group), 0.0)
+    _return_rows(exchange, lr)
 
 
 def _send_rows(sharded: Sharded, nesterov: bool, beta: float) -> None:
@@ -537,9 +503,9 @@ def _return_rows(sharded: Sharded, lr: float | Tensor) -> None:
     """The owned directions' rows (and the updated state's) back to their ranks, and line 13
     on this rank's rows."""
     sharded.back.run(sharded.group)
-    for scale, targets, sources in sharded.updates:
+    for scale, alpha, targets, sources in sharded.updates:
         if isinstance(lr, Tensor):  # capturable: −a·η computed on the device
-            torch._foreach_mul_(sources, torch.mul(lr, -scale))
+            torch._foreach_mul_(sources, torch.mul(lr, -scale, out=alpha))
             torch._foreach_add_(targets, sources)
         else:
             torch._foreach_add_(targets, sources, alpha=-lr * scale)

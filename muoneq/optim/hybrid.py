@@ -147,7 +147,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
       than one rank and the parameters are replicated (DDP); ``False`` makes every rank compute
       every matrix; ``True`` is ``"auto"`` that raises if no process group is initialized.
       Row-sharded ``DTensor`` parameters (FSDP2) always gather whole matrices, whatever the
-      setting.
+      setting; replicated ``DTensor`` parameters are split as replicated tensors are.
     * ``batching``: ``"per_matrix"`` (one matrix at a time), ``"stacked"`` (same-shape matrices
       in one batched call) or ``"auto"`` (default): stacked on accelerators, per matrix on CPU.
     * ``workspace_limit``: bytes of scratch the stacked path keeps (:attr:`workspace_bytes`),
@@ -315,7 +315,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                     f"must be one matrix (got {layout.describe()}); split fused weights with "
                     "MuonEq or Muon, or leave splits=None and batch_dims=0"
                 )
-            distributed.check_layout(p)
+        distributed.check_layouts(group["params"])
 
     # ----------------------------------------------------------------- state
     def _init_group(self, group: dict) -> None:
@@ -400,7 +400,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                 ns=settings.ns, decay=planned.decay, compiled=self._compiled)
             grads = [local(p.grad) for p in planned.params]
             if planned.exchange is None:
-                step_stacks(planned.chunks, planned.params, grads, planned.momenta, **arguments)
+                step_stacks(planned.chunks, planned.weights, grads, planned.momenta, **arguments)
             else:
                 distributed.step_exchanged(planned, grads, **arguments)
         return loss
@@ -443,7 +443,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                                                       "standard"),
                                          self.ns_backend, device=device),
                              group["lr_adjust"], per_matrix=not self._stacked(device),
-                             wire=self._wire(plan), gradient=self.reads_gradient)
+                             wire=self._wire(plan))
 
     def _wire(self, plan: GroupPlan) -> torch.dtype | None:
         """The dtype directions travel in between ranks: the NS dtype (``None``) where
@@ -480,11 +480,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
                                                   self._workspace, self)
             for part in (chunks[index], exchanged):
                 carve(part, settings, self._workspace)
-            distributed.carve_exchange(exchange, chunks[index], exchanged, settings)
+            distributed.carve_exchange(exchange, chunks[index], exchanged, settings, self)
             params = [p for p, ok in zip(plan.params, present, strict=True) if ok]
             momenta = [m for m, ok in zip(plan.momenta, present, strict=True) if ok]
-            steps[index] = GroupStep(settings, params, momenta, chunks[index], exchanged,
-                                     exchange, plan.decay)
+            steps[index] = GroupStep(settings, params, [local(p) for p in params], momenta,
+                                     chunks[index], exchanged, exchange, plan.decay)
             if self.compile:
                 for chunk in chunks[index] + exchanged:
                     for stage, fn in (("prologue", prologue), ("update", add_directions)):
@@ -498,13 +498,14 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         split between the ranks of :meth:`_split_group`; ``None``: this process computes every
         matrix."""
         if plan.sharded:
-            return distributed.Sharded.of(plan, present, gradient=self.reads_gradient)
+            return distributed.Sharded.of(plan, present, self)
         group = self._split_group()
         if group is None:
             return None
         if not self._checked_same_gradients:
             distributed.check_same_gradients(
-                [p.grad for p, ok in zip(plan.params, present, strict=True) if ok], group)
+                [local(p.grad) for p, ok in zip(plan.params, present, strict=True) if ok],
+                group)
             self._checked_same_gradients = True
         return distributed.Split(group)
 

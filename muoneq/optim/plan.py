@@ -7,7 +7,8 @@ into :class:`Bank`\\ s by stored layout, dtype and device; a bank's momentum is 
 ``(k, *stored)`` tensor whose rows are the parameters' ``momentum_buffer`` (views: the state
 dict keeps its keys and values); a method's own per-matrix state is banked alike
 (:attr:`~muoneq.optim.hybrid.HybridOrthogonalOptimizer.banked_state`). A row-sharded
-``DTensor`` parameter (FSDP2) banks its local shard, its state a ``DTensor`` over that row.
+``DTensor`` parameter (FSDP2) banks its local shard, its state a ``DTensor`` over that row; a
+replicated one (tensor parallelism's) its copy, its state replicated alike.
 
 **Chunks.** :func:`plan_stacks` buckets the banks' blocks by matrix shape into :class:`Chunk`\\ s
 of at most ``stack_elements`` elements (one matrix each with ``batching="per_matrix"``), fewer
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +41,8 @@ from muoneq.functional import (
     Rule,
     diag_pre_buffers,
     diag_pre_requests,
+    is_dtensor,
+    local,
     lr_scale,
 )
 from muoneq.layout import MatrixLayout
@@ -60,24 +62,11 @@ from muoneq.newton_schulz import (
 STACK_ELEMENTS = 1 << 26
 
 
-def is_dtensor(t) -> bool:
-    """``isinstance(t, DTensor)`` without importing ``torch.distributed.tensor`` (slow to
-    import): no DTensor can exist before that module is loaded."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 @functools.cache
 def promoted(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype that holds every one of ``dtypes`` exactly (``torch.promote_types`` folded;
     cached: a step asks without dispatching anything)."""
     return functools.reduce(torch.promote_types, dtypes)
-
-
-def local(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a ``DTensor``'s local shard (the shard itself:
-    ``to_local()`` would dispatch a view on every call), any other tensor itself."""
-    return t._local_tensor if is_dtensor(t) else t
 
 
 # ----------------------------------------------------------------------------- banks
@@ -146,7 +135,7 @@ def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state:
         tensors, whole = {}, {}
         for key, banked in shapes.items():
             whole[key] = shape = banked.shape(layout)
-            rows = _own_rows(params[members[0]], shape)
+            rows = OwnRows.of(params[members[0]], shape)
             like = {"device": device, "dtype": dtype if banked.dtype is None else
                     banked.dtype(dtype)}
             tensors[key] = torch.zeros((len(members), *rows.local_shape), **like)
@@ -154,10 +143,10 @@ def bank_state(params: Sequence[Tensor], layouts: Sequence[MatrixLayout], state:
                 p, old = params[i], state[params[i]].get(key)
                 if old is not None:  # a sharded state's rows, or a whole state's (loaded)
                     old = local(old)
-                    view.copy_(rows.of(old) if tuple(old.shape) == tuple(shape) else old)
+                    view.copy_(rows.of_whole(old) if tuple(old.shape) == tuple(shape) else old)
                 elif key != "momentum_buffer":
-                    view.copy_(rows.of(banked.initial(shape, **like)))
-                state[p][key] = rows.sharded(p, view)
+                    view.copy_(rows.of_whole(banked.initial(shape, **like)))
+                state[p][key] = rows.state(p, view)
         momentum = tensors.pop("momentum_buffer")
         del whole["momentum_buffer"]
         banks.append(Bank([params[i] for i in members], layout, momentum, tensors, whole))
@@ -170,50 +159,76 @@ def shard_rows(rows: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
 
 
+def row_shard_dim(p: Tensor) -> int | None:
+    """The mesh dimension along which ``p`` is sharded by rows, ``None`` if it is not.
+
+    Plain tensors and fully replicated ``DTensor``\\ s give ``None``; ``Shard(0)`` on one mesh
+    dimension with ``Replicate`` on the others (FSDP2, HSDP) gives that dimension; any other
+    layout (column or tensor-parallel shards) is rejected with an error naming it.
+    """
+    if not is_dtensor(p):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = p.placements
+    sharded = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    if not sharded:
+        return None
+    if len(sharded) == 1 and placements[sharded[0]] == Shard(0):
+        return sharded[0]
+    raise NotImplementedError(
+        f"a DTensor parameter of shape {tuple(p.shape)} has placements {placements}; "
+        "orthogonalized updates support replicated tensors and row shards (Shard(0) on one "
+        "mesh dimension, as FSDP2's fully_shard makes them), not column or tensor-parallel "
+        "shards"
+    )
+
+
 @dataclass(frozen=True)
-class _OwnRows:
+class OwnRows:
     """The rows ``start : start + length`` of a ``shape`` tensor this rank holds for a
-    parameter (all of them unless the parameter is a row-sharded ``DTensor``)."""
+    parameter (all of them unless the parameter is a row-sharded ``DTensor``, whose sharded
+    mesh dimension is ``sharded_dim``: :func:`row_shard_dim`)."""
 
     shape: tuple[int, ...]
     start: int
     length: int
     sharded_dim: int | None
 
+    @classmethod
+    def of(cls, p: Tensor, shape: Sequence[int]) -> OwnRows:
+        """The rows of a ``shape`` tensor (a state of ``p``, or ``p`` itself) this rank holds:
+        under ``Shard(0)``, its share of the first dimension (a 0-d state: none)."""
+        shape = tuple(shape)
+        dim = row_shard_dim(p)
+        if dim is None:
+            return cls(shape, 0, shape[0] if shape else 0, None)
+        mesh = p.device_mesh
+        start, length = (shard_rows(shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]
+                         if shape else (0, 0))
+        return cls(shape, start, length, dim)
+
     @property
     def local_shape(self) -> tuple[int, ...]:
         return (self.length, *self.shape[1:]) if self.shape else ()
 
-    def of(self, whole: Tensor) -> Tensor:
+    def of_whole(self, whole: Tensor) -> Tensor:
         return whole[self.start : self.start + self.length] if self.shape else whole
 
-    def sharded(self, p: Tensor, view: Tensor) -> Tensor:
+    def state(self, p: Tensor, view: Tensor) -> Tensor:
         """``view`` (this rank's rows) as the state of ``p``: a ``DTensor`` over ``p``'s mesh
-        when ``p`` is one, ``Shard(0)`` on ``p``'s sharded mesh dimension (replicated for a
-        0-d state), else ``view`` itself."""
-        if self.sharded_dim is None:
+        when ``p`` is one, placed as ``p`` is (replicated for a 0-d state of a row-sharded
+        ``p``), else ``view`` itself."""
+        if not is_dtensor(p):
             return view
         from torch.distributed.tensor import DTensor, Replicate
 
         placements = list(p.placements)
-        if not self.shape:
+        if self.sharded_dim is not None and not self.shape:
             placements[self.sharded_dim] = Replicate()
         return DTensor.from_local(view, p.device_mesh, placements, run_check=False,
                                   shape=torch.Size(self.shape),
                                   stride=torch.empty(self.shape, device="meta").stride())
-
-
-def _own_rows(p: Tensor, shape: tuple[int, ...]) -> _OwnRows:
-    if not is_dtensor(p):
-        return _OwnRows(tuple(shape), 0, shape[0] if shape else 0, None)
-    from torch.distributed.tensor import Replicate
-
-    dim = next(d for d, placement in enumerate(p.placements)
-               if not isinstance(placement, Replicate))
-    mesh = p.device_mesh
-    start, length = (shard_rows(shape[0], mesh.size(dim))[mesh.get_local_rank(dim)] if shape
-                     else (0, 0))
-    return _OwnRows(tuple(shape), start, length, dim)
 
 
 @dataclass(eq=False)
@@ -248,8 +263,9 @@ class GroupPlan:
 
     @property
     def sharded(self) -> bool:
-        """The parameters are row-sharded ``DTensor``\\ s (FSDP2)."""
-        return any(is_dtensor(p) for p in self.params)
+        """The parameters are row-sharded ``DTensor``\\ s (FSDP2; a replicated one is not:
+        :func:`row_shard_dim`)."""
+        return any(row_shard_dim(p) is not None for p in self.params)
 
     def matches(self, params: Sequence[Tensor], state: dict) -> bool:
         """The group still holds these parameters, in place (same storage), with the state and
@@ -279,8 +295,6 @@ class StackSettings:
     #: the dtype directions (and a method's state) travel in between ranks (``None``: the NS
     #: dtype)
     wire: torch.dtype | None = None
-    #: the method reads whole gradients (:attr:`~muoneq.functional.Rule.reads_gradient`)
-    gradient: bool = False
 
 
 @dataclass(eq=False)
@@ -317,6 +331,13 @@ class Segment:
     gradient: Tensor | None = None
     gradient_stack: Tensor | None = None
     gradient_copy: tuple[Tensor, Tensor] | None = None
+
+    @classmethod
+    def of(cls, bank: Bank, split: int, lo: int, hi: int) -> Segment:
+        """Parameters ``lo:hi`` of ``bank`` (split ``split`` of their blocks), with their rows
+        of the bank's momentum and state."""
+        return cls(bank, split, lo, hi, bank.params[lo:hi], bank.momentum[lo:hi],
+                   {key: t[lo:hi] for key, t in bank.state.items()})
 
     @property
     def count(self) -> int:
@@ -386,8 +407,10 @@ class GroupStep:
     :func:`muoneq.functional.step_stacks` (or its distributed form)."""
 
     settings: StackSettings
-    #: the parameters with a gradient and this rank's momentum of each, in the plan's order
+    #: the parameters with a gradient, the tensors this rank holds of them (:func:`local`:
+    #: what line 13 updates) and its momentum of each, in the plan's order
     params: list[Tensor]
+    weights: list[Tensor]
     momenta: list[Tensor]
     #: the chunks of the group's matrices (FSDP2: of the whole matrices this rank computes)
     chunks: list[Chunk]
@@ -445,9 +468,7 @@ def plan_stacks(plan: GroupPlan, settings: StackSettings, workspace: Workspace, 
                         chunks.append(chunk_of(current, settings, workspace, rule))
                         current, filled = [], 0
                     end = min(hi, lo + max(1, (per_stack - filled) // count))
-                    current.append(Segment(bank, split, lo, end, bank.params[lo:end],
-                                           bank.momentum[lo:end],
-                                           {key: t[lo:end] for key, t in bank.state.items()}))
+                    current.append(Segment.of(bank, split, lo, end))
                     filled += (end - lo) * count
                     lo = end
         if current:
@@ -478,7 +499,7 @@ def chunk_of(segments: list[Segment], settings: StackSettings, workspace: Worksp
     requests = _requests(count, shape, bank.momentum.dtype, settings, rule, chunk.iteration)
     staged = sum((s.hi - s.lo) * math.prod(s.layout.stored) for s in segments
                  if not (s.layout.plain or s.bank.assembled))
-    if settings.gradient and staged:  # stacked in the stored layout first
+    if rule.reads_gradient and staged:  # stacked in the stored layout first
         requests.append(("gradient_stored", (staged,), bank.momentum.dtype))
     chunk.requests = [(*r, bank.momentum.device) for r in requests]
     for request in chunk.requests:
@@ -499,7 +520,7 @@ def _requests(count: int, shape: tuple[int, int], dtype: torch.dtype, settings: 
     requests += iteration.requests(count, shape, ns)
     requests += diag_pre_requests(count, shape, settings.mode, accumulate, ns)
     requests.append(("step", (1,), accumulate))
-    if settings.gradient:
+    if rule.reads_gradient:
         requests.append(("gradient", (count, *shape), accumulate))
     requests += [(("rule", name), size, t) for name, size, t in rule.requests(count, shape, dtype)]
     return requests
@@ -605,7 +626,7 @@ def _carve_update(chunk: Chunk, segment: Segment, offset: int,
     to a staged bank's stored layout for the others."""
     bank, layout, rows = segment.bank, segment.bank.layout, segment.rows
     if layout.plain and not bank.assembled:
-        chunk.targets += segment.params
+        chunk.targets += [local(p) for p in segment.params]
         for out, buffer in zip(chunk.sources, buffers, strict=True):
             if buffer is not None:
                 out += [d.view(p.shape) for d, p in zip(buffer[rows], segment.params,
@@ -616,7 +637,7 @@ def _carve_update(chunk: Chunk, segment: Segment, offset: int,
             None if b is None else b[rows].view(back.shape) for b in buffers)))
     else:  # blocks of several shapes: each where it lies in its parameter (or whole bank)
         for j in range(segment.hi - segment.lo):
-            whole = bank.gather[segment.lo + j] if bank.assembled else segment.params[j]
+            whole = bank.gather[segment.lo + j] if bank.assembled else local(segment.params[j])
             pieces = list(layout.pieces(whole))[segment.split :: len(layout.rows)]
             for e, (_, piece) in enumerate(pieces):
                 index = offset + j * layout.count + e
@@ -653,7 +674,7 @@ def _stage_and_complete_banks(chunks: list[Chunk]) -> None:
             params, gather = bank.params[lo:hi], bank.gather[lo:hi]
             first.stages.append((params, gather, bank.momentum[lo:hi]))
             if complete:  # its blocks have the chunk's shape, and so its ``a``
-                last.completes.append((params, list(gather.unbind(0))))
+                last.completes.append(([local(p) for p in params], list(gather.unbind(0))))
 
 
 def muon_step_bytes(shape: tuple[int, int], dtype: torch.dtype, nesterov: bool) -> int:
