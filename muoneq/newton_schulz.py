@@ -553,14 +553,13 @@ def time_iterations(candidates: dict[str, Iteration], X: Tensor, coefficients,
         X.copy_(probe)
         return iteration.iterate(X, coefficients, buffers)
 
-    reference = None
+    reference = run(candidates["torch"]).float().clone()
     found = {}
-    for name, iteration in sorted(candidates.items(), key=lambda item: item[0] != "torch"):
-        last = run(iteration).float()  # the warm-up (compilation, caches), and its agreement
-        reference = last.clone() if reference is None else reference
+    for name, iteration in candidates.items():
+        result = run(iteration).float()  # the warm-up (compilation, caches), and its agreement
+        distance = ((result - reference).norm() / reference.norm()).item()
         times = sorted(time_of(functools.partial(run, iteration)) for _ in range(repeats))
-        found[name] = {"seconds": times[repeats // 2],
-                       "distance": ((last - reference).norm() / reference.norm()).item()}
+        found[name] = {"seconds": times[repeats // 2], "distance": distance}
     return found
 
 
