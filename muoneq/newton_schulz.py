@@ -534,15 +534,17 @@ def canonical_backend(backend):
     )
 
 
-def fastest_iteration(candidates: dict[str, Iteration], X: Tensor, coefficients,
-                      buffers: dict[str, Tensor], *, repeats: int = 5,
-                      time_of: Callable[[Callable[[], object]], float] | None = None) -> str:
-    """``ns_backend="auto"`` on one stack shape: the name of the candidate whose iteration of a
-    random normalized stack in ``X``'s buffers is fastest (median of ``repeats`` timings after a
-    warm-up) among those that agree with ``candidates["torch"]`` (relative difference at most
-    :data:`AGREEMENT` of the dtype); ties go to ``"torch"``, which is never slower than itself.
-    ``time_of(run)`` times one run (default: wall clock, device synchronized)."""
-    time_of = time_of or _wall_time
+def time_iterations(candidates: dict[str, Iteration], X: Tensor, coefficients,
+                    buffers: dict[str, Tensor], *, repeats: int = 5,
+                    time_of: Callable[[Callable[[], object]], float] | None = None
+                    ) -> dict[str, dict[str, float]]:
+    """Each candidate's iteration of one random normalized stack of ``X``'s shape, run in ``X``
+    and ``buffers`` (allocated by the caller, before any clock starts): ``seconds``, the median
+    of ``repeats`` timings after a warm-up run (a run copies the stack into ``X``, which the
+    iteration overwrites, and iterates), and ``distance``, the relative Frobenius distance of
+    its result to ``candidates["torch"]``'s. ``time_of(run)`` times one run (default:
+    :func:`wall_time` on ``X``'s device)."""
+    time_of = time_of or functools.partial(wall_time, device=X.device)
     gen = torch.Generator(device=X.device).manual_seed(0)
     probe = torch.randn(X.shape, generator=gen, device=X.device, dtype=torch.float32)
     probe /= probe.norm(dim=(-2, -1), keepdim=True)
@@ -551,21 +553,28 @@ def fastest_iteration(candidates: dict[str, Iteration], X: Tensor, coefficients,
         X.copy_(probe)
         return iteration.iterate(X, coefficients, buffers)
 
-    def timed(iteration: Iteration) -> float:
-        return sorted(time_of(lambda: run(iteration)) for _ in range(repeats))[repeats // 2]
-
-    reference = run(candidates["torch"]).float().clone()  # also the warm-up
-    best, best_time = "torch", timed(candidates["torch"])
+    reference = run(candidates["torch"]).float().clone()
+    found = {}
     for name, iteration in candidates.items():
-        if name == "torch":
-            continue
-        found = run(iteration).float()  # the warm-up (compilation, caches), and its agreement
-        if (found - reference).norm() > AGREEMENT[X.dtype] * reference.norm():
-            continue
-        elapsed = timed(iteration)
-        if elapsed < best_time:
-            best, best_time = name, elapsed
-    return best
+        result = run(iteration).float()  # the warm-up (compilation, caches), and its agreement
+        distance = ((result - reference).norm() / reference.norm()).item()
+        times = sorted(time_of(functools.partial(run, iteration)) for _ in range(repeats))
+        found[name] = {"seconds": times[repeats // 2], "distance": distance}
+    return found
+
+
+def fastest_iteration(candidates: dict[str, Iteration], X: Tensor, coefficients,
+                      buffers: dict[str, Tensor], *, repeats: int = 5,
+                      time_of: Callable[[Callable[[], object]], float] | None = None) -> str:
+    """``ns_backend="auto"`` on one stack shape: the name of the fastest candidate
+    (:func:`time_iterations`) among those that agree with ``candidates["torch"]`` (relative
+    distance at most :data:`AGREEMENT` of the dtype); ties go to ``"torch"``, which is never
+    slower than itself."""
+    timed = time_iterations(candidates, X, coefficients, buffers, repeats=repeats,
+                            time_of=time_of)
+    agree = [name for name, t in timed.items()
+             if name == "torch" or t["distance"] <= AGREEMENT[X.dtype]]
+    return min(agree, key=lambda name: (timed[name]["seconds"], name != "torch"))
 
 
 #: The most two backends' Newton–Schulz results may differ (relative Frobenius distance) and
@@ -575,11 +584,15 @@ AGREEMENT = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4,
              torch.float64: 1e-10}
 
 
-def _wall_time(fn: Callable[[], object]) -> float:
-    device_sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+def wall_time(run: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Seconds one call of ``run`` takes, ``device``'s queued work waited for before and after
+    (a CUDA device synchronized; a CPU needs nothing)."""
+    device = torch.device(device)
+    device_sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
+                   else (lambda: None))
     device_sync()
     start = time.perf_counter()
-    fn()
+    run()
     device_sync()
     return time.perf_counter() - start
 

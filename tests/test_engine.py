@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from muoneq import MuonEq, build_optimizer, diag_pre
-from muoneq.optim import plan
+from muoneq.newton_schulz import ns_settings
+from muoneq.optim import hybrid, plan
 from muoneq.suite.benchmarks.bench_step import MATRIX_SETS
 from tests.helpers.dispatch import cpu_allocations, dispatched
 
@@ -137,6 +138,124 @@ def test_a_parameter_given_new_storage_is_planned_again():
     for a, b in zip(opt.param_groups[0]["params"], reference.param_groups[0]["params"],
                     strict=True):
         assert torch.equal(a, b)
+
+
+def identity_backend(X, coefficients):
+    """A callable ``ns_backend`` that leaves the normalized input as it is."""
+    return X
+
+
+#: A change of each setting a group's plan depends on, made between steps (``ns_backend``: the
+#: optimizer's option); the second value is what the reference optimizer is built with.
+CHANGES = {
+    "ns_steps": ("ns_steps", 3, 3),
+    "ns_coefficients name": ("ns_coefficients", "polar_express", "polar_express"),
+    "ns_coefficients list": ("ns_coefficients", [[3.0, -3.2, 1.2]] * 5, [[3.0, -3.2, 1.2]] * 5),
+    "ns_dtype": ("ns_dtype", "float64", "float64"),
+    "ns_algorithm": ("ns_algorithm", "gram", "gram"),
+    "mode": ("mode", "C", "C"),
+    "mode alias": ("mode", "row", "R"),
+    "nesterov": ("nesterov", False, False),
+    "lr_adjust": ("lr_adjust", "spectral", "spectral"),
+    "ns_backend": ("ns_backend", identity_backend, identity_backend),
+}
+SHAPES = [(4, 32), (4, 32), (6, 6)]  # the Gram order is cheaper on 4×32
+
+
+def assert_steps_as_built_with(opt: MuonEq, **settings) -> None:
+    """``opt``'s next step equals that of an optimizer built with ``settings`` (and ``opt``'s
+    other options) on copies of its parameters and momentum, bit for bit."""
+    params = opt.param_groups[0]["params"]
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, copies, strict=True):
+        q.grad = p.grad.clone()
+    group = {key: value for key, value in opt.param_groups[0].items() if key != "params"}
+    reference = MuonEq([{**group, "params": copies}], batching=opt.batching,
+                       ns_backend=settings.pop("ns_backend", opt.ns_backend),
+                       workspace_limit=None, **settings)
+    for p, q in zip(params, copies, strict=True):
+        reference.state[q]["momentum_buffer"].copy_(opt.state[p]["momentum_buffer"])
+    opt.step()
+    reference.step()
+    for p, q in zip(params, copies, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_setting_changed_between_steps_is_planned_again(change, batching):
+    key, value, built = CHANGES[change]
+    opt = stepped(SHAPES, batching=batching)
+    if key == "ns_backend":
+        opt.ns_backend = value
+    else:
+        opt.param_groups[0][key] = value
+    assert_steps_as_built_with(opt, **{key: built})
+    assert_steps_as_built_with(opt, **{key: built})  # and kept
+
+
+@pytest.mark.parametrize("batching", ["stacked", "per_matrix"])
+def test_coefficients_changed_in_place_in_a_list_are_planned_again(batching):
+    """A list in the group can change without being replaced: its new values are stepped."""
+    opt = stepped(SHAPES, batching=batching)
+    coefficients = [[3.4445, -4.7750, 2.0315] for _ in range(5)]
+    opt.param_groups[0]["ns_coefficients"] = coefficients
+    assert_steps_as_built_with(opt, ns_coefficients=[tuple(c) for c in coefficients])
+    coefficients[2][0] = 3.0
+    assert_steps_as_built_with(opt, ns_coefficients=[tuple(c) for c in coefficients])
+    coefficients.append([3.0, -3.2, 1.2])
+    with pytest.raises(ValueError, match=r"^ns_coefficients: a per-step list must have exactly "
+                                         r"ns_steps=5 tuples, got 6$"):
+        opt.step()
+
+
+#: Bad values of the settings a plan depends on, set between steps.
+BAD = [("ns_steps", 0), ("ns_steps", 2.5), ("ns_steps", True), ("ns_coefficients", "foo"),
+       ("ns_coefficients", [1, 2]), ("ns_dtype", "int8"), ("ns_dtype", torch.int8),
+       ("ns_algorithm", "x"), ("mode", "X"), ("mode", None), ("nesterov", "yes"),
+       ("lr_adjust", "bogus")]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD)
+def test_a_bad_value_set_between_steps_is_the_constructors_one_line_error(key, value):
+    with pytest.raises(ValueError) as built:
+        MuonEq([nn.Parameter(torch.randn(4, 8))], **{key: value})
+    opt = stepped(SHAPES)
+    good = opt.param_groups[0][key]
+    weights = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    opt.param_groups[0][key] = value
+    for _ in range(2):  # refused every time, and nothing stepped
+        with pytest.raises(ValueError) as stepping:
+            opt.step()
+        assert str(stepping.value) == str(built.value) and "\n" not in str(built.value)
+    assert all(map(torch.equal, weights, opt.param_groups[0]["params"]))
+    opt.param_groups[0][key] = good
+    opt.step()
+
+
+def test_the_settings_are_checked_again_only_when_one_changes(monkeypatch):
+    """The step's host work: a group's Newton–Schulz settings are made again (and its values
+    checked) only when one of them was replaced, or at every step while one is a list."""
+    made = []
+    monkeypatch.setattr(hybrid, "ns_settings",
+                        lambda *args, **kwargs: made.append(args) or ns_settings(*args, **kwargs))
+    opt = stepped(SHAPES + [(5, 3)], steps=1)
+    opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 5))]})
+    opt.param_groups[1]["params"][0].grad = torch.randn(3, 5)
+    opt.step()
+    made.clear()
+    for _ in range(3):
+        opt.param_groups[0]["lr"] *= 0.5  # a scheduler's change
+        opt.step()
+    assert made == []
+    opt.param_groups[1]["ns_steps"] = 4
+    opt.step()
+    opt.step()
+    assert [args[0] for args in made] == [4]
+    opt.param_groups[0]["ns_coefficients"] = [[3.4445, -4.7750, 2.0315]] * 5
+    opt.step()
+    opt.step()
+    assert len(made) == 3
 
 
 def test_an_added_group_is_stepped_as_in_an_optimizer_built_with_it():

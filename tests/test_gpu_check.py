@@ -4,6 +4,7 @@ the targets' verdicts."""
 
 import base64
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from muoneq.suite.benchmarks import gpu_check
 from muoneq.suite.machine import device_name
+from tests.helpers.dispatch import dispatched
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -439,3 +442,24 @@ def test_the_fastest_peer_and_our_step_over_it_by_repeat():
         "fastest_peer_gpt2_small": "heavyball Muon",
         "fastest_peer_over_torch_muon_gpt2_small": 0.8,
         "muoneq_r_over_fastest_peer_gpt2_small": 0.625}  # the median of 5/8, 6/8, 4/8
+
+
+def test_the_backends_are_timed_on_buffers_allocated_before_the_clock(kernels, monkeypatch):
+    """Each timed run of :func:`gpu_check.backend_timings` is ``auto``'s timing
+    (:func:`muoneq.newton_schulz.wall_time` around one run), and torch's runs allocate nothing:
+    the stack and the buffers exist before the clock starts (Triton's interpreter copies
+    arrays of its own, which a compiled kernel does not)."""
+    newton_schulz = importlib.import_module("muoneq.newton_schulz")  # not the function
+    allocated = []
+
+    def time_once(run, device):
+        assert device == CPU
+        allocated.append(dispatched(run).allocated)
+        return 1e-3
+
+    monkeypatch.setattr(newton_schulz, "wall_time", time_once)
+    check = gpu_check.Check(CPU, True, Path("unused"))
+    found = gpu_check.backend_timings((16, 48), Counter({(16, 48): 3}), check)
+    assert found["matrices"] == 3 and found["torch_ms"] == found["triton_ms"] == 1.0
+    assert found["distance"] < 2e-2
+    assert allocated[:5] == [[]] * 5 and len(allocated) == 10

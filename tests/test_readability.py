@@ -71,7 +71,7 @@ NS_STEPS_HOPS = [
     (MuonEq.__init__, "super().__init__", "**shared"),
     (HybridOrthogonalOptimizer.__init__, "dict", "ns_steps=given['ns_steps']"),
     (HybridOrthogonalOptimizer.__init__, "super().__init__", "defaults"),  # the param groups
-    (HybridOrthogonalOptimizer._stack_settings, "ns_settings", "group['ns_steps']"),
+    (HybridOrthogonalOptimizer._stack_settings, "ns_settings", "values['ns_steps']"),
     (ns_settings, "resolve_schedule", "steps"),
     (resolve_schedule, "NSSchedule", "(QUINTIC,) * ns_steps"),
     (HybridOrthogonalOptimizer.step, "dict", "ns=settings.ns"),

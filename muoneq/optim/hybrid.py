@@ -32,6 +32,7 @@ layers).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, TypedDict, Unpack
 
@@ -118,6 +119,10 @@ SHARED_DEFAULTS = Shared(
 #: The keywords of :class:`Shared` that choose how, not what, is computed: options kept by the
 #: optimizer (and its copies), not param-group keys.
 OPTIONS = ("distributed", "batching", "workspace_limit", "ns_backend", "process_group")
+#: The group keys a matrix group's chunks depend on (:class:`~muoneq.optim.plan.StackSettings`),
+#: with the value a group without the key has.
+PLANNED_KEYS = {"mode": "none", "nesterov": None, "ns_steps": None, "ns_coefficients": None,
+                "ns_dtype": None, "ns_algorithm": "standard", "lr_adjust": None}
 #: ``workspace_limit="auto"``: this many times the extra memory ``torch.optim.Muon``'s step
 #: takes for the largest matrix (:func:`~muoneq.optim.plan.muon_step_bytes`).
 AUTO_WORKSPACE_OVER_MUON = 2
@@ -264,6 +269,8 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         self._compiled: dict[tuple[str, tuple[int, int]], Callable] = {}
         self._plans: list[GroupPlan | None] = []  # one per param group (None: AdamW)
         self._steps: tuple[tuple, dict[int, GroupStep]] | None = None
+        #: each matrix group's settings at the last step and what they were made from
+        self._settings: dict[int, tuple[tuple, StackSettings]] = {}
 
     @property
     def workspace_bytes(self) -> int:
@@ -427,23 +434,40 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             # a group none of whose matrices has a gradient is planned whole (its buffers are
             # what ``workspace_bytes`` reports before the first step) and not stepped
             present = tuple(g is not None for g in grads)
-            wanted.append((index, self._stack_settings(group, plan),
+            wanted.append((index, self._stack_settings(index, group, plan),
                            present if any(present) else (True,) * len(present)))
         key = (tuple(wanted), planning.STACK_ELEMENTS, self.workspace_limit)
         if self._steps is None or self._steps[0] != key:
             self._steps = (key, self._plan_steps(wanted))
         return self._steps[1]
 
-    def _stack_settings(self, group: dict, plan: GroupPlan) -> StackSettings:
-        """What a group's chunks depend on (:class:`~muoneq.optim.plan.StackSettings`)."""
+    def _stack_settings(self, index: int, group: dict, plan: GroupPlan) -> StackSettings:
+        """What a group's chunks depend on (:class:`~muoneq.optim.plan.StackSettings`): made
+        again only when the group's plan, ``ns_backend``, ``batching`` or one of
+        :data:`PLANNED_KEYS` is not the object it was at the last step (a value that can change
+        in place, such as a list, at every step); its values are then checked as the
+        constructor checks them, with the same one-line errors."""
+        given = (plan, self.ns_backend, self.batching,
+                 *map(group.get, PLANNED_KEYS, PLANNED_KEYS.values()))
+        cached = self._settings.get(index)
+        if cached is not None and all(map(operator.is_, cached[0], given)):
+            return cached[1]
+        values = dict(zip(PLANNED_KEYS, given[3:], strict=True))
+        for key, hyper in self.hyperparameters.items():
+            if key in values and (hyper.when is None or group[hyper.when]):
+                values[key] = hyper.check(key, values[key], group)
         device = plan.params[0].device
-        return StackSettings(group.get("mode", "none"), group["nesterov"],
-                             ns_settings(group["ns_steps"], group["ns_coefficients"],
-                                         group["ns_dtype"], group.get("ns_algorithm",
-                                                                      "standard"),
-                                         self.ns_backend, device=device),
-                             group["lr_adjust"], per_matrix=not self._stacked(device),
-                             wire=self._wire(plan))
+        settings = StackSettings(values["mode"], values["nesterov"],
+                                 ns_settings(values["ns_steps"], values["ns_coefficients"],
+                                             values["ns_dtype"], values["ns_algorithm"],
+                                             self.ns_backend, device=device),
+                                 values["lr_adjust"], per_matrix=not self._stacked(device),
+                                 wire=self._wire(plan))
+        if all(_immutable(value) for value in given[2:]):
+            self._settings[index] = (given, settings)
+        else:
+            self._settings.pop(index, None)
+        return settings
 
     def _wire(self, plan: GroupPlan) -> torch.dtype | None:
         """The dtype directions travel in between ranks: the NS dtype (``None``) where
@@ -535,3 +559,11 @@ class HybridOrthogonalOptimizer(OptimizerBase):
             return None
         group = self.process_group or dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
+
+
+def _immutable(value) -> bool:
+    """Whether ``value`` cannot change in place: a string, number, ``None``, dtype, or a tuple
+    of these."""
+    if type(value) is tuple:
+        return all(_immutable(v) for v in value)
+    return type(value) in (str, int, float, bool, type(None), torch.dtype)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -241,8 +243,9 @@ class GroupPlan:
     states: list[dict]
     pointers: list[int]
     banks: list[Bank]
-    #: the banked state of each parameter (the keys :func:`bank_state` banked), as planned
-    banked: list[dict[str, Tensor]]
+    #: the banked state of the parameters as planned: each key :func:`bank_state` banked → its
+    #: tensor in each parameter's state
+    banked: dict[str, list[Tensor]]
     #: this rank's momentum of each parameter (a row of its bank)
     momenta: list[Tensor]
     #: line 13's ``1 − η·λ`` of a step with tensor hyper-parameters (``capturable``)
@@ -257,7 +260,7 @@ class GroupPlan:
         device = banks[0].momentum.device if banks else None
         return cls(list(params), list(layouts), [state[p] for p in params],
                    [local(p).data_ptr() for p in params], banks,
-                   [{key: state[p].get(key) for key in keys} for p in params],
+                   {key: [state[p].get(key) for p in params] for key in keys},
                    [rows[id(p)] for p in params],
                    torch.empty((), dtype=torch.float32, device=device) if banks else None)
 
@@ -269,16 +272,16 @@ class GroupPlan:
 
     def matches(self, params: Sequence[Tensor], state: dict) -> bool:
         """The group still holds these parameters, in place (same storage), with the state and
-        momentum the plan made. Python only: no tensor operation, no device sync."""
-        if len(params) != len(self.params):
+        momentum the plan made. Python only: no tensor operation, no device sync (and every
+        comparison in C where it can be: the step asks this of every group)."""
+        same = operator.is_
+        if not (len(params) == len(self.params) and all(map(same, params, self.params))
+                and all(map(same, map(state.get, params), self.states))):
             return False
-        for p, planned, st, banked, pointer in zip(params, self.params, self.states,
-                                                    self.banked, self.pointers, strict=True):
-            if (p is not planned or state.get(p) is not st
-                    or any(st.get(key) is not t for key, t in banked.items())
-                    or local(p).data_ptr() != pointer):
+        for key, tensors in self.banked.items():
+            if not all(map(same, map(dict.get, self.states, repeat(key)), tensors)):
                 return False
-        return True
+        return list(map(Tensor.data_ptr, map(local, params))) == self.pointers
 
 
 # ----------------------------------------------------------------------------- chunks

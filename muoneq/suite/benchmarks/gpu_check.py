@@ -90,7 +90,13 @@ import torch
 import torch.nn.functional as F
 
 from muoneq.functional import matrix_shape
-from muoneq.newton_schulz import buffers_for, iteration_for, normalize, ns_settings
+from muoneq.newton_schulz import (
+    QUINTIC,
+    StackIteration,
+    TritonIteration,
+    buffers_for,
+    time_iterations,
+)
 from muoneq.suite import code_version
 from muoneq.suite.benchmarks.bench_step import (
     MATRIX_SETS,
@@ -397,10 +403,9 @@ def auto_choices(bench: dict, check: Check) -> dict:
     """What ``ns_backend="auto"`` chose for each matrix shape of every bench set (the
     :data:`AUTO_ROW` row's backends, chosen by the optimizer's own timing at its first step),
     and why: both backends' bf16 NS5 of a stack of the set's matrices of that shape, each
-    backend's stacked iteration as ``auto`` times it (:func:`stacked_ns5`), timed here (median
-    of 5 after a warm-up, device synchronized), and their agreement (relative distance;
-    ``auto`` keeps Triton only within :data:`muoneq.newton_schulz.AGREEMENT`). Off a GPU
-    ``auto`` is torch without a timing."""
+    backend's stacked iteration timed here as ``auto`` times it (:func:`backend_timings`), and
+    their agreement (relative distance; ``auto`` keeps Triton only within
+    :data:`muoneq.newton_schulz.AGREEMENT`). Off a GPU ``auto`` is torch without a timing."""
     if check.device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return {"reason": "auto is torch off a CUDA GPU with Triton (no timing)", "sets": {}}
     return {"reason": "the faster of torch and Triton per shape, Triton only where it agrees",
@@ -421,24 +426,15 @@ def backend_choices(bench: dict, check: Check) -> dict:
 
 
 def backend_timings(shape: tuple[int, int], counts: Counter, check: Check) -> dict:
-    """NS5 of ``counts[shape]`` random bf16 matrices of ``shape`` on each backend: ms and their
-    relative distance."""
-    G = torch.randn(max(1, counts[shape]), *shape, device=check.device, dtype=torch.bfloat16)
-    runs = {backend: partial(stacked_ns5, G, backend) for backend in ("torch", "triton")}
-    ms = {f"{backend}_ms": median_ms(run, check.device, (5, 1)) for backend, run in runs.items()}
-    want, got = runs["torch"]().float(), runs["triton"]().float()
-    return {"matrices": len(G), **ms,
-            "distance": ((got - want).norm() / want.norm()).item()}
-
-
-def stacked_ns5(G, backend: str):
-    """bf16 NS5 of the stack ``G`` by ``backend``'s stacked iteration, the candidates
-    ``ns_backend="auto"`` times (:func:`muoneq.newton_schulz.fastest_iteration`): normalized
-    into a copy, iterated in freshly allocated buffers."""
-    settings = ns_settings(5, "quintic", torch.bfloat16, backend=backend, device=G.device)
-    iteration = iteration_for(settings, tuple(G.shape[-2:]))
-    X = normalize(G.to(settings.dtype, copy=True), settings.schedule.norm_scale)
-    return iteration.iterate(X, settings.schedule.coefficients, buffers_for(iteration, X))
+    """bf16 NS5 of a stack of ``counts[shape]`` random matrices of ``shape`` on each backend's
+    stacked iteration, timed as ``ns_backend="auto"`` times them
+    (:func:`muoneq.newton_schulz.time_iterations`: the stack and the buffers allocated before
+    the clock starts, the device synchronized): ms and their relative distance."""
+    X = torch.empty(max(1, counts[shape]), *shape, device=check.device, dtype=torch.bfloat16)
+    candidates = {"torch": StackIteration(), "triton": TritonIteration()}
+    timed = time_iterations(candidates, X, (QUINTIC,) * 5, buffers_for(candidates["torch"], X))
+    return {"matrices": len(X), **{f"{name}_ms": t["seconds"] * 1e3 for name, t in timed.items()},
+            "distance": timed["triton"]["distance"]}
 
 
 #: language part → (recipe, figure prefix, the model as the summary names it)
