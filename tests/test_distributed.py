@@ -12,7 +12,6 @@ import functools
 import itertools
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from muoneq.newton_schulz import ns_flops
 from muoneq.optim import AdaMuon, Mousse, MuonPlus, NorMuon
 from muoneq.optim.distributed import balance, shard_rows
 from tests.helpers.layout import CASES, block_grads, initial_blocks, run_separate
+from tests.helpers.ports import free_port
 
 WORLD = 2
 STEPS = 3
@@ -117,12 +117,6 @@ def matrix_state(model: nn.Module, opt) -> list[dict[str, torch.Tensor]]:
 
 def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, worker: str, out: str) -> None:

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from muoneq.suite.sweeps.storage import open_storage
 from muoneq.suite.sweeps.validate import value_cover
 from tests.helpers.commands import clean_env, make, one_line_error
 from tests.helpers.language import make_documents, write_corpus
+from tests.helpers.ports import free_port
 from tests.helpers.report import add_trial
 from tests.helpers.runtime import TINY_RUNS, tiny_cifar10
 
@@ -427,18 +426,6 @@ def assert_same_weights(run_dir: Path, reference: dict) -> None:
     assert weights.keys() == reference.keys()
     for name in reference:  # the global batch is split, so reductions differ in rounding only
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-6)
-
-
-def free_port(low: int = 20000, high: int = 60000) -> int:
-    for _ in range(200):
-        port = random.randint(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: int = 300) -> None:

@@ -1,7 +1,6 @@
 """Packed sequences from shards: coverage, deterministic order, resume, ranks, validation budget."""
 
 import os
-import socket
 from itertools import islice
 
 import numpy as np
@@ -20,6 +19,7 @@ from muoneq_tasks.language.data import (
     validation_sequences,
 )
 from muoneq_tasks.language.shards import write_shard
+from tests.helpers.ports import free_port
 
 
 @pytest.fixture
@@ -128,9 +128,7 @@ def _ddp_worker(rank, world, port, files, queue):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_process_ddp_sees_disjoint_data(stream):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_ddp_worker, args=(2, port, stream.files, queue), nprocs=2,

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from muoneq import MuonEq, param_groups
 from muoneq.diagnostics import stable_rank
 from muoneq.suite.spectra import SpectralMonitor
+from tests.helpers.ports import free_port
 
 
 class RecordingMuonEq(MuonEq):
@@ -364,7 +365,6 @@ def test_fsdp2_shards_are_gathered_and_match_one_process(tmp_path):
     """Row-sharded DTensor gradients and momentum (ModelParallelStrategy, 2 CPU ranks): the
     monitor gathers whole matrices and measures what a single process measures."""
     import os
-    import socket
     import subprocess
     import sys
 
@@ -372,9 +372,7 @@ def test_fsdp2_shards_are_gathered_and_match_one_process(tmp_path):
     script.write_text(FSDP2_SCRIPT)
     results = {}
     for devices in (1, 2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         out = tmp_path / f"run{devices}"
         done = subprocess.run([sys.executable, str(script), str(out), str(devices)], env=env,

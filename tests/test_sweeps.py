@@ -13,7 +13,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from optuna.trial import TrialState
 import muoneq
 from muoneq.suite.sweeps import Driver, SweepError, load_sweep
 from muoneq.suite.sweeps.validate import check_trials
+from tests.helpers.ports import free_port
 from tests.helpers.sweeps import COMMAND, REPO, WARM_LAUNCH, load, options, write_sweep
 
 #: the driver's bookkeeping is tested on trials whose objective is a known function
@@ -315,9 +315,7 @@ def postgres_url():
         nobody = pwd.getpwnam("nobody")
         os.chown(root, nobody.pw_uid, nobody.pw_gid)
         as_user = ["runuser", "-u", "nobody", "--"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     data = root / "data"
     subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust",
                     "-U", "postgres", "--no-sync", "-E", "UTF8"], check=True,
