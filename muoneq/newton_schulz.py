@@ -534,6 +534,13 @@ def canonical_backend(backend):
     )
 
 
+def auto_candidates() -> dict[str, Iteration]:
+    """The stacked iterations ``ns_backend="auto"`` times against each other on a GPU
+    (:func:`fastest_iteration`): torch's products (the reference) and this project's Triton
+    kernels."""
+    return {"torch": StackIteration(), "triton": TritonIteration()}
+
+
 def time_iterations(candidates: dict[str, Iteration], X: Tensor, coefficients,
                     buffers: dict[str, Tensor], *, repeats: int = 5,
                     time_of: Callable[[Callable[[], object]], float] | None = None

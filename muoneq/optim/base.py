@@ -124,11 +124,14 @@ class OptimizerBase(torch.optim.Optimizer):
         check_group_keys(group, self.hyperparameters, type(self).__name__)
         self._check_values(group)
 
-    def _check_values(self, group: dict) -> None:
-        """Run each hyper-parameter's check on ``group`` and write the canonical value back."""
+    def _check_values(self, group: dict, values: dict | None = None) -> None:
+        """Run each hyper-parameter's check on ``group`` and write the canonical value back
+        (with ``values``: on those of its keys, read from ``group`` by the caller, and into
+        ``values``)."""
+        values = group if values is None else values
         for key, hyper in self.hyperparameters.items():
-            if hyper.when is None or group[hyper.when]:
-                group[key] = hyper.check(key, group[key], group)
+            if key in values and (hyper.when is None or group[hyper.when]):
+                values[key] = hyper.check(key, values[key], group)
 
     def _init_state(self, p: Tensor, group: dict) -> None:
         """Create ``p``'s state. Called for every parameter at construction (every rank then

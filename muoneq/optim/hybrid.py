@@ -453,9 +453,7 @@ class HybridOrthogonalOptimizer(OptimizerBase):
         if cached is not None and all(map(operator.is_, cached[0], given)):
             return cached[1]
         values = dict(zip(PLANNED_KEYS, given[3:], strict=True))
-        for key, hyper in self.hyperparameters.items():
-            if key in values and (hyper.when is None or group[hyper.when]):
-                values[key] = hyper.check(key, values[key], group)
+        self._check_values(group, values)
         device = plan.params[0].device
         settings = StackSettings(values["mode"], values["nesterov"],
                                  ns_settings(values["ns_steps"], values["ns_coefficients"],

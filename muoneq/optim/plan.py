@@ -54,8 +54,8 @@ from muoneq.newton_schulz import (
     NSSettings,
     Request,
     StackIteration,
-    TritonIteration,
     Workspace,
+    auto_candidates,
     fastest_iteration,
     iteration_for,
 )
@@ -565,7 +565,7 @@ def _fastest(chunk: Chunk, settings: StackSettings) -> Iteration:
             or X.dtype not in AGREEMENT or X.dtype == torch.float64
             or importlib.util.find_spec("triton") is None or settings.per_matrix):
         return chunk.iteration
-    candidates = {"torch": StackIteration(), "triton": TritonIteration()}
+    candidates = auto_candidates()
     name = fastest_iteration(candidates, X, settings.ns.schedule.coefficients, chunk.ns_buffers)
     return candidates[name]
 

@@ -90,13 +90,7 @@ import torch
 import torch.nn.functional as F
 
 from muoneq.functional import matrix_shape
-from muoneq.newton_schulz import (
-    QUINTIC,
-    StackIteration,
-    TritonIteration,
-    buffers_for,
-    time_iterations,
-)
+from muoneq.newton_schulz import QUINTIC, auto_candidates, buffers_for, time_iterations
 from muoneq.suite import code_version
 from muoneq.suite.benchmarks.bench_step import (
     MATRIX_SETS,
@@ -431,7 +425,7 @@ def backend_timings(shape: tuple[int, int], counts: Counter, check: Check) -> di
     (:func:`muoneq.newton_schulz.time_iterations`: the stack and the buffers allocated before
     the clock starts, the device synchronized): ms and their relative distance."""
     X = torch.empty(max(1, counts[shape]), *shape, device=check.device, dtype=torch.bfloat16)
-    candidates = {"torch": StackIteration(), "triton": TritonIteration()}
+    candidates = auto_candidates()
     timed = time_iterations(candidates, X, (QUINTIC,) * 5, buffers_for(candidates["torch"], X))
     return {"matrices": len(X), **{f"{name}_ms": t["seconds"] * 1e3 for name, t in timed.items()},
             "distance": timed["triton"]["distance"]}
